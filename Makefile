@@ -1,0 +1,38 @@
+# The two commands a newcomer needs:  make run   and   make test
+# Both set everything up (Debian packages when root, the venv, the kernel library)
+# and are quick the second time.
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PROMPT ?= The capital of France is
+ARGS   ?=
+
+.PHONY: setup kernels run test bench kernel-bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/setup-system.sh
+	@sh tools/setup-system.sh
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+# (Re)build the kernel library if a generator changed; a no-op otherwise.
+kernels: setup
+	@$(PY) tools/regen.py --quiet
+
+run: kernels
+	@$(VENV)/bin/llambda run --prompt "$(PROMPT)" $(ARGS)
+
+test: kernels
+	@$(PY) -m pytest -q
+
+kernel-bench: kernels
+	@$(PY) tools/bench_kernels.py
+
+bench: kernels
+	@$(VENV)/bin/llambda bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .hypothesis

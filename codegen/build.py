@@ -1,0 +1,98 @@
+"""The one build driver: every kernel family -> one ELF object -> one shared library.
+
+    key = source_key()          # hash of the generators (+ PeachPy version)
+    build(directory)            # writes libllambda.so and manifest.json there
+
+``source_key`` needs no PeachPy, so the runtime can tell whether its cached
+library is current without importing the generators. ``build`` writes into a
+temporary directory and renames it into place: two processes building at once
+both end with a complete library, never a half-written one.
+"""
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LIBRARY_NAME = "libllambda.so"
+MANIFEST_NAME = "manifest.json"
+NOT_FAMILIES = {"build", "common"}
+
+
+def family_names():
+    """Every module in this package that defines ``emit`` is a kernel family."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(HERE)])
+                  if m.name not in NOT_FAMILIES and not m.name.startswith("_"))
+
+
+def source_key():
+    """Identifies the library the current generators produce."""
+    digest = hashlib.sha256()
+    for path in sorted(HERE.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    try:
+        from importlib.metadata import version
+        digest.update(version("peachpy").encode())
+    except Exception:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def emit_all(isas=("avx2",)):
+    """Import every family and collect its kernels (PeachPy functions, not yet encoded)."""
+    kernels = []
+    for name in family_names():
+        module = importlib.import_module(f"{__package__}.{name}")
+        if not hasattr(module, "emit"):
+            continue
+        for isa in isas:
+            kernels.extend(module.emit(isa))
+    seen = set()
+    for k in kernels:
+        if k.symbol in seen:
+            raise RuntimeError(f"kernel symbol emitted twice: {k.symbol}")
+        seen.add(k.symbol)
+    return kernels
+
+
+def build(directory, isas=("avx2",)):
+    """Generate, assemble and link the kernel library into ``directory``.
+
+    Returns the manifest (a list of dicts, one per kernel)."""
+    from peachpy.x86_64 import abi as peachpy_abi
+    import peachpy.writer
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=directory.parent))
+    try:
+        kernels = emit_all(isas)
+        system_v = peachpy_abi.system_v_x86_64_abi
+        manifest = []
+        obj = tmp / "kernels.o"
+        with peachpy.writer.ELFWriter(str(obj), system_v) as writer:
+            for k in kernels:
+                finalized = k.function.finalize(system_v)
+                writer.add_function(finalized)
+                code = finalized.encode().code_section.content
+                manifest.append(dict(symbol=k.symbol, family=k.family, isa=k.isa, tile=k.tile,
+                                     args=[list(a) for a in k.args], code_bytes=len(code)))
+        subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(tmp / LIBRARY_NAME), str(obj)],
+                       check=True)
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+        try:
+            os.rename(tmp, directory)
+        except OSError:
+            if not (directory / LIBRARY_NAME).exists():
+                raise
+            shutil.rmtree(tmp)      # somebody else finished the same build first
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

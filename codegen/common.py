@@ -1,0 +1,82 @@
+"""Shared vocabulary of the kernel generators.
+
+A family module builds PeachPy ``Function`` objects and wraps each in a
+``Kernel`` that carries what the runtime needs to know about it: its symbol,
+family, ISA, tile and C signature. The build driver finalizes, encodes and
+links them; the runtime reads the manifest it writes.
+"""
+from dataclasses import dataclass, field
+
+from peachpy import Argument, ptr, const_float_, float_, size_t, int32_t, uint32_t, \
+    int8_t, const_int8_t, uint8_t, const_uint8_t, uint16_t, const_uint16_t, const_int32_t
+from peachpy.x86_64 import Function, uarch
+
+# The ISAs we emit for. AVX2+FMA(+F16C) is the baseline every kernel has.
+ISAS = {
+    "avx2": dict(target=uarch.haswell, cpu_flags=("avx2", "fma", "f16c")),
+}
+
+# C types a kernel argument may have, by the names used in the manifest.
+C_TYPES = {
+    "const float*": ptr(const_float_),
+    "float*": ptr(float_),
+    "const int8_t*": ptr(const_int8_t),
+    "int8_t*": ptr(int8_t),
+    "const uint8_t*": ptr(const_uint8_t),
+    "uint8_t*": ptr(uint8_t),
+    "const uint16_t*": ptr(const_uint16_t),
+    "uint16_t*": ptr(uint16_t),
+    "const int32_t*": ptr(const_int32_t),
+    "int32_t*": ptr(int32_t),
+    "size_t": size_t,
+    "int32_t": int32_t,
+    "uint32_t": uint32_t,
+    "float": float_,
+}
+
+
+@dataclass
+class Kernel:
+    """One emitted function plus the metadata the runtime binds it by."""
+    function: Function
+    family: str
+    isa: str
+    tile: str = ""
+    args: list = field(default_factory=list)   # [(name, c_type_name)]
+
+    @property
+    def symbol(self):
+        return self.function.name
+
+
+def symbol(op, types, tile, isa):
+    """``llb_<op>_<types>_<tile>__<isa>``: what a symbol is, readable from ``nm``."""
+    parts = ["llb", op]
+    if types:
+        parts.append(types)
+    if tile:
+        parts.append(tile)
+    return "_".join(parts) + "__" + isa
+
+
+def function(name, signature, isa):
+    """Open a PeachPy function with explicitly named arguments.
+
+    ``signature`` is a list of ``(name, c_type_name)``. Every ``Argument`` gets
+    an explicit ``name=``: PeachPy's name inference from the source line breaks
+    silently when two arguments share a line. Returns ``(Function, arguments)``.
+    """
+    arguments = tuple(Argument(C_TYPES[ctype], name=argname) for argname, ctype in signature)
+    return Function(name, arguments, target=ISAS[isa]["target"]), arguments
+
+
+def tail_mask(mask, remaining):
+    """Set ymm ``mask`` lanes 0..remaining-1 to all-ones (for VMASKMOVPS / VPMASKMOVD).
+
+    ``remaining`` is a 64-bit GP register holding 1..8. Built from a compare
+    against the lane index, so it needs no table and no RIP-relative indexing."""
+    from peachpy import Constant
+    from peachpy.x86_64 import VMOVD, VPBROADCASTD, VPCMPGTD
+    VMOVD(mask.as_xmm, remaining.as_dword)
+    VPBROADCASTD(mask, mask.as_xmm)
+    VPCMPGTD(mask, mask, Constant.uint32x8(0, 1, 2, 3, 4, 5, 6, 7))

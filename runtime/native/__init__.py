@@ -1,0 +1,1 @@
+"""ctypes bindings for every kernel: validate first, then call (one module per family)."""

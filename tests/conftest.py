@@ -1,0 +1,27 @@
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Kernel tests are fuzzed; in CI the examples are fixed (derandomized) so a
+# green run is reproducible. LLAMBDA_HYPOTHESIS=thorough draws more examples.
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", deadline=None, max_examples=1000,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("LLAMBDA_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(scope="session")
+def native():
+    from llambda.runtime import get_backend
+    return get_backend("avx2")
+
+
+@pytest.fixture(scope="session")
+def ref():
+    from llambda.runtime import get_backend
+    return get_backend("numpy")

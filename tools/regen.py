@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Kernel regeneration tool.
+
+    tools/regen.py              rebuild if stale, print the manifest
+    tools/regen.py --force      rebuild even if current
+    tools/regen.py --quiet      rebuild if stale, print nothing
+    tools/regen.py --disasm SYM disassemble one kernel (objdump)
+"""
+import argparse
+import shutil
+import subprocess
+import sys
+
+from llambda.runtime import library
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--force", action="store_true", help="rebuild even if the library is current")
+    p.add_argument("--quiet", action="store_true", help="print nothing")
+    p.add_argument("--disasm", metavar="SYMBOL", help="disassemble one kernel")
+    args = p.parse_args(argv)
+
+    directory = library.library_dir()
+    if args.force and directory.exists():
+        shutil.rmtree(directory)
+    directory = library.ensure_built(verbose=not args.quiet)
+    lib = library.KernelLibrary(directory)
+    if args.disasm:
+        if args.disasm not in lib.manifest:
+            sys.exit(f"regen: no kernel named {args.disasm}; known: {', '.join(sorted(lib.manifest))}")
+        out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={args.disasm}",
+                              str(lib.path)], check=True, capture_output=True, text=True).stdout
+        print(out)
+        return
+    if args.quiet:
+        return
+    print(f"{lib.path}")
+    print(f"{'symbol':48} {'family':12} {'isa':6} {'tile':10} {'bytes':>7}")
+    for k in sorted(lib.manifest.values(), key=lambda k: (k["family"], k["symbol"])):
+        print(f"{k['symbol']:48} {k['family']:12} {k['isa']:6} {k['tile']:10} {k['code_bytes']:7d}")
+    print(f"{len(lib.manifest)} kernels, {sum(k['code_bytes'] for k in lib.manifest.values())} bytes of code")
+
+
+if __name__ == "__main__":
+    main()

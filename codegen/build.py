@@ -25,14 +25,22 @@ NOT_FAMILIES = {"build", "common"}
 
 
 def family_names():
-    """Every module in this package that defines ``emit`` is a kernel family."""
-    return sorted(m.name for m in pkgutil.iter_modules([str(HERE)])
-                  if m.name not in NOT_FAMILIES and not m.name.startswith("_"))
+    """Every module in this package that defines ``emit`` is a kernel family.
+
+    ``LLAMBDA_FAMILIES=a,b`` restricts the build to those (a developer working
+    on one family need not build the others)."""
+    names = sorted(m.name for m in pkgutil.iter_modules([str(HERE)])
+                   if m.name not in NOT_FAMILIES and not m.name.startswith("_"))
+    only = os.environ.get("LLAMBDA_FAMILIES")
+    if only:
+        names = [n for n in names if n in only.split(",")]
+    return names
 
 
 def source_key():
     """Identifies the library the current generators produce."""
     digest = hashlib.sha256()
+    digest.update(",".join(family_names()).encode())
     for path in sorted(HERE.glob("*.py")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())

@@ -1,0 +1,80 @@
+"""Weight layouts: GGUF tensors repacked once into what the kernels read fastest.
+
+A ``PackedWeight`` is a matrix ``W[n, k]`` (n output rows, k inputs; GGUF's
+``ne = [k, n]``) stored as a few named, 64-byte-aligned numpy arrays whose
+meaning depends on ``kind``:
+
+    kind    arrays (see layout_quant.py / layout_float.py for the exact order)
+    q4_1    qs (interleaved nibbles), d (f32 scales), m (f32 mins)  -- Q4_0 and Q4_1 weights
+    q8_0    qs (interleaved int8), d (f32 scales)                    -- Q8_0 weights
+    f32     panels of f32                                            -- F32 and BF16 weights
+    f16     panels of f16                                            -- F16 weights
+
+The weight file stores exactly these arrays, so loading is mapping them.
+``pack`` / ``dequantize`` / ``rows`` dispatch on kind to the module that owns
+the layout; each registers itself in ``LAYOUTS``.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class PackedWeight:
+    kind: str
+    n: int
+    k: int
+    arrays: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)     # small layout parameters (ints/strings), JSON-able
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+@dataclass
+class Layout:
+    """How one weight kind is packed and read back (numpy, conversion and test time)."""
+    kind: str
+    source_types: tuple       # GGUF type names packed into this kind, e.g. ("Q4_0", "Q4_1")
+    pack: callable            # (gguf_type_name, raw ndarray as gguf gives it, n, k) -> PackedWeight
+    dequantize: callable      # (PackedWeight) -> f32 [n, k]
+    rows: callable            # (PackedWeight, ids int array) -> f32 [len(ids), k]
+
+
+LAYOUTS = {}          # kind -> Layout
+_BY_SOURCE = {}       # GGUF type name -> Layout
+
+
+def register(layout):
+    LAYOUTS[layout.kind] = layout
+    for t in layout.source_types:
+        _BY_SOURCE[t] = layout
+
+
+def _load_layouts():
+    from . import layout_quant, layout_float  # noqa: F401  (each calls register)
+
+
+def supported_types():
+    _load_layouts()
+    return sorted(_BY_SOURCE)
+
+
+def pack(gguf_type, raw, n, k):
+    """Repack one GGUF tensor (``raw`` as ``gguf.GGUFReader`` returns its data) into a PackedWeight."""
+    _load_layouts()
+    layout = _BY_SOURCE.get(gguf_type)
+    if layout is None:
+        raise ValueError(f"tensor type {gguf_type} is not supported (supported: {', '.join(sorted(_BY_SOURCE))})")
+    return layout.pack(gguf_type, raw, n, k)
+
+
+def dequantize(w):
+    _load_layouts()
+    return LAYOUTS[w.kind].dequantize(w)
+
+
+def rows(w, ids):
+    _load_layouts()
+    return LAYOUTS[w.kind].rows(w, np.asarray(ids))

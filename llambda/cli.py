@@ -1,0 +1,211 @@
+"""The ``llambda`` command: run, chat, convert, info, verify, fetch.
+
+stdout carries only generated text (or JSON with --json); statistics and
+errors go to stderr. A user error is one line and a non-zero exit, never a
+traceback.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+from .errors import UserError
+
+
+def _positive_int(option):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option}: expected an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option}: expected an integer >= 1, got {value}")
+        return value
+    return parse
+
+
+def _add_model_options(p):
+    p.add_argument("--model", metavar="PATH", help="GGUF or converted llambda file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--threads", type=_positive_int("--threads"), metavar="N", help="worker threads (default: physical cores)")
+    p.add_argument("--ctx", type=_positive_int("--ctx"), metavar="N", help="context length: bounds the KV cache (default 2048)")
+
+
+def _add_sampling_options(p, max_tokens=128):
+    p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, metavar="K", help="0 = off")
+    p.add_argument("--top-p", type=float, default=0.95, metavar="P")
+    p.add_argument("--min-p", type=float, default=0.05, metavar="P")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def _sampling_kwargs(args):
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+
+
+def _load(args):
+    import llambda
+    return llambda.load(args.model, n_ctx=args.ctx, threads=args.threads)
+
+
+def _print_stats(model, stats):
+    s = stats
+    print(f"\n[llambda] load {model.load_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok"
+          f" ({s.cached_tokens} cached), prefill {s.prefill_tok_s:.1f} tok/s | first token"
+          f" {s.first_token_s * 1000:.0f} ms | {s.generated_tokens} tok, decode {s.decode_tok_s:.1f} tok/s"
+          f" | stop: {s.stop_reason}", file=sys.stderr)
+
+
+def cmd_run(args):
+    from .generation import Stats
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start})") from None
+    else:
+        prompt = args.prompt
+    model = _load(args)
+    stats = Stats()
+    pieces = model.generate(prompt, truncate=args.truncate, stats=stats, **_sampling_kwargs(args))
+    if args.json:
+        text = "".join(pieces)
+        out = dict(prompt_ids=stats.prompt_ids, ids=stats.ids, text=text, load_s=model.load_s, **stats.as_dict())
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    print(prompt, end="", flush=True) if args.echo else None
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    _print_stats(model, stats)
+    return 0
+
+
+def cmd_chat(args):
+    from .generation import Stats
+    model = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    print("[llambda] chat: Ctrl-C stops a reply, Ctrl-D (or Ctrl-C at the prompt) ends the session",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        stats, reply = Stats(), []
+        try:
+            for piece in model.chat(messages, stats=stats, **_sampling_kwargs(args)):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            print("\n[llambda] reply stopped", file=sys.stderr)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.verbose:
+            _print_stats(model, stats)
+
+
+def cmd_convert(args):
+    from . import convert
+    out = convert.convert(args.gguf, args.output, progress=not args.quiet)
+    print(out)
+    return 0
+
+
+def cmd_info(args):
+    from . import convert
+    print(convert.info(convert.ensure_converted(args.file)))
+    return 0
+
+
+def cmd_verify(args):
+    from . import convert
+    convert.verify(args.file)
+    print(f"{args.file}: all checksums match")
+    return 0
+
+
+def cmd_fetch(args):
+    from . import default_model
+    print(default_model.model_path())
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="llambda", description="CPU inference for LLaMA-architecture GGUF models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="raw completion of a prompt (no chat template)")
+    _add_model_options(run)
+    src = run.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="The capital of France is", metavar="TEXT")
+    src.add_argument("--prompt-file", metavar="F")
+    _add_sampling_options(run)
+    run.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
+    run.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    run.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text, timings")
+    run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's template")
+    _add_model_options(chat)
+    chat.add_argument("--system", metavar="TEXT", help="system message")
+    chat.add_argument("--verbose", action="store_true", help="print statistics after every reply")
+    _add_sampling_options(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+
+    conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")
+    conv.add_argument("gguf", metavar="MODEL.gguf")
+    conv.add_argument("-o", "--output", metavar="OUT", help="output path (default: MODEL.llb beside the GGUF)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=cmd_convert)
+
+    info = sub.add_parser("info", help="print config, tokenizer summary and tensor table")
+    info.add_argument("file", metavar="FILE")
+    info.set_defaults(func=cmd_info)
+
+    verify = sub.add_parser("verify", help="check every tensor checksum of a llambda file")
+    verify.add_argument("file", metavar="FILE")
+    verify.set_defaults(func=cmd_verify)
+
+    fetch = sub.add_parser("fetch", help="download and convert the default model into the cache")
+    fetch.set_defaults(func=cmd_fetch)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UserError as e:
+        print(f"llambda: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        # bindings, file readers and samplers name the argument at fault
+        print(f"llambda: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nllambda: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

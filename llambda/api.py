@@ -12,7 +12,6 @@ import numpy as np
 
 from . import generation
 from .errors import UserError
-from .sampling import Sampler
 
 DEFAULT_CTX = 2048
 
@@ -106,6 +105,7 @@ class Model:
     def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                  repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True):
         """Yield the text of the continuation of ``prompt`` (a string or a list of token ids)."""
+        from .sampling import Sampler
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, seed=seed)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:

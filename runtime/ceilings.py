@@ -1,0 +1,62 @@
+"""The machine's own ceilings, measured with llambda's probe kernels.
+
+FMA peak (GFLOP/s per core), INT8 maddubs+maddwd peak (GOP/s per core) and
+memory read bandwidth (GB/s) on 1..N threads. Benchmarks report every figure
+as a fraction of these.
+"""
+import threading
+import time
+
+import numpy as np
+
+from . import buffers
+from .library import load
+
+FMA_FLOP_PER_ITER = 12 * 8 * 2        # 12 ymm FMAs of 8 lanes, 2 FLOP each
+INT8_OPS_PER_ITER = 6 * 32 * 2        # 6 maddubs of 32 byte pairs, multiply + add
+
+
+def _best_rate(fn, work, repeats=5):
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = max(best, work / (time.perf_counter() - t))
+    return best
+
+
+def fma_peak_gflops():
+    lib = load()
+    iters = 20_000_000
+    f = lib.fn("llb_probe_fma__avx2")
+    return _best_rate(lambda: f(iters), iters * FMA_FLOP_PER_ITER) / 1e9
+
+
+def int8_peak_gops():
+    lib = load()
+    iters = 20_000_000
+    f = lib.fn("llb_probe_int8__avx2")
+    return _best_rate(lambda: f(iters), iters * INT8_OPS_PER_ITER) / 1e9
+
+
+def read_bandwidth_gbs(threads=1, nbytes=256 << 20, reps=3):
+    """Aggregate read bandwidth of ``threads`` threads, each streaming its own buffer
+    (far larger than the caches)."""
+    lib = load()
+    f = lib.fn("llb_probe_read__avx2")
+    per = (nbytes // threads) & ~127
+    bufs = [buffers.zeros(per // 4, np.float32) for _ in range(threads)]
+
+    def run():
+        workers = [threading.Thread(target=f, args=(b.ctypes.data, per, reps)) for b in bufs]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    run()   # fault the pages in
+    return _best_rate(run, per * threads * reps, repeats=3) / 1e9
+
+
+def measure(max_threads=2):
+    return dict(fma_gflops_per_core=fma_peak_gflops(), int8_gops_per_core=int8_peak_gops(),
+                read_gbs={t: read_bandwidth_gbs(t) for t in range(1, max_threads + 1)})

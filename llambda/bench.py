@@ -1,0 +1,235 @@
+"""``llambda bench``: llambda beside llama.cpp on the same GGUF, threads and context.
+
+Every measurement runs in a fresh child process (so load time and peak RSS
+are each engine's own), engines and thread counts interleaved, repeated;
+medians with min-max. llama.cpp comes from the optional ``llama-cpp-python``
+package (``pip install -e '.[bench]'``); without it only llambda is measured.
+The machine's ceilings are measured by llambda's own probe kernels and every
+figure is also given as a fraction of its ceiling:
+  decode  against read bandwidth / bytes of weights read per token,
+  prefill against FMA-or-INT8 peak / FLOPs per token.
+"""
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPT_SIZES = (128, 512)
+GEN_TOKENS = 128
+ENGINES = ("llambda", "llama.cpp")
+
+
+# -- one engine, one thread count, in a child process ----------------------------
+def _random_prompt(vocab, n, seed=0):
+    # ids from the middle of the vocabulary: ordinary tokens, no specials
+    rng = np.random.default_rng(seed)
+    return rng.integers(min(1000, vocab // 4), vocab - 10, n).tolist()
+
+
+def _measure_llambda(model_path, threads, n_ctx):
+    import llambda
+    t = time.perf_counter()
+    m = llambda.load(model_path, n_ctx=n_ctx, threads=threads, progress=False)
+    load_s = time.perf_counter() - t
+    vocab = m.config.vocab_size
+    out = dict(load_s=load_s)
+    for n in PROMPT_SIZES:
+        ids = _random_prompt(vocab, n)
+        m.logits(ids[:1])                       # empty the cache; warm
+        t = time.perf_counter()
+        logits = m.evaluate(ids)
+        out[f"prefill{n}_s"] = time.perf_counter() - t
+    out["ttft_s"] = out[f"prefill{PROMPT_SIZES[0]}_s"]
+    history = list(ids)
+    t = time.perf_counter()
+    for _ in range(GEN_TOKENS):
+        history.append(int(np.argmax(logits)))
+        logits = m.evaluate(history)
+    out["decode_s"] = time.perf_counter() - t
+    return out
+
+
+def _measure_llamacpp(gguf_path, threads, n_ctx):
+    import llama_cpp
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t
+    vocab = llm.n_vocab()
+    out = dict(load_s=load_s)
+    for n in PROMPT_SIZES:
+        ids = _random_prompt(vocab, n)
+        llm.reset()
+        llm.eval(ids[:1])
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        out[f"prefill{n}_s"] = time.perf_counter() - t
+    out["ttft_s"] = out[f"prefill{PROMPT_SIZES[0]}_s"]
+    t = time.perf_counter()
+    for _ in range(GEN_TOKENS):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([nxt])
+    out["decode_s"] = time.perf_counter() - t
+    return out
+
+
+def child_main(argv):
+    engine, model, gguf, threads, n_ctx = argv
+    threads, n_ctx = int(threads), int(n_ctx)
+    if engine == "llambda":
+        out = _measure_llambda(model, threads, n_ctx)
+    else:
+        out = _measure_llamacpp(gguf, threads, n_ctx)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+
+# -- the driver --------------------------------------------------------------------
+def _run_child(engine, model, gguf, threads, n_ctx):
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-m", "llambda.bench", "--child", engine, str(model), str(gguf),
+                           str(threads), str(n_ctx)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} benchmark failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _have_llamacpp():
+    try:
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _model_costs(model_path):
+    """Bytes of weights read per decoded token and FLOPs per token, from the file."""
+    from .convert import load_model_file
+    config, _, weights = load_model_file(model_path)
+    from llambda.runtime.layouts import PackedWeight
+    read = flops = 0
+    for name, w in weights.items():
+        if isinstance(w, PackedWeight):
+            if name == "token_embd.weight" and not config.tied_embeddings:
+                continue                       # only one row is read per token
+            read += w.nbytes
+            flops += 2 * w.n * w.k
+        else:
+            read += w.nbytes
+    return config, read, flops
+
+
+def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout):
+    from . import convert, default_model
+    from llambda.runtime import ceilings
+    gguf = default_model.gguf_path() if model is None else model
+    model_path = convert.ensure_converted(gguf)
+    if open(gguf, "rb").read(4) != b"GGUF":
+        raise SystemExit("llambda bench: --model must be a GGUF (llama.cpp runs the same file)")
+    engines = ENGINES if _have_llamacpp() else ENGINES[:1]
+    if len(engines) == 1:
+        print("llambda bench: llama-cpp-python is not installed (pip install -e '.[bench]'); "
+              "measuring llambda only", file=sys.stderr)
+    config, bytes_per_token, flops_per_token = _model_costs(model_path)
+    peaks = dict(fma=ceilings.fma_peak_gflops(), int8=ceilings.int8_peak_gops(),
+                 bw={t: ceilings.read_bandwidth_gbs(t) for t in threads})
+
+    results = {(e, t): [] for e in engines for t in threads}
+    for rep in range(repeats):
+        for t in threads:
+            for e in engines:
+                print(f"[bench] {e} threads={t} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
+                results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx))
+
+    rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks)
+    report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
+                  ceilings=dict(fma_gflops_per_core=peaks["fma"], int8_gops_per_core=peaks["int8"],
+                                read_gbs=peaks["bw"]),
+                  bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
+                  n_ctx=n_ctx, rows=rows)
+    if as_json:
+        print(json.dumps(report, indent=1), file=out)
+    else:
+        print(_markdown(report, engines, threads), file=out)
+    return report
+
+
+def _machine():
+    try:
+        import cpuinfo
+        brand = cpuinfo.get_cpu_info().get("brand_raw", "")
+    except Exception:
+        brand = ""
+    return f"{brand}, {os.cpu_count()} logical CPUs"
+
+
+def _stat(values):
+    return dict(median=statistics.median(values), min=min(values), max=max(values))
+
+
+def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks):
+    rows = []
+    for t in threads:
+        for e in engines:
+            runs = results[(e, t)]
+            row = dict(engine=e, threads=t)
+            for n in PROMPT_SIZES:
+                row[f"prefill{n}_tok_s"] = _stat([n / r[f"prefill{n}_s"] for r in runs])
+            row["decode_tok_s"] = _stat([GEN_TOKENS / r["decode_s"] for r in runs])
+            row["ttft_ms"] = _stat([1000 * r["ttft_s"] for r in runs])
+            row["load_ms"] = _stat([1000 * r["load_s"] for r in runs])
+            row["peak_rss_mb"] = _stat([r["peak_rss_mb"] for r in runs])
+            decode_ceiling = peaks["bw"][t] * 1e9 / bytes_per_token
+            prefill_ceiling = peaks["int8"] * 1e9 * t / flops_per_token
+            row["decode_pct_ceiling"] = row["decode_tok_s"]["median"] / decode_ceiling
+            row["prefill512_pct_ceiling"] = row["prefill512_tok_s"]["median"] / prefill_ceiling
+            rows.append(row)
+    return rows
+
+
+def _markdown(report, engines, threads):
+    c = report["ceilings"]
+    lines = [f"Model: {report['model']}  ", f"Machine: {report['machine']}; {report['date']}; "
+             f"median of {report['repeats']} runs (min-max)  ",
+             f"Ceilings (measured): FMA {c['fma_gflops_per_core']:.0f} GFLOP/s/core, INT8 "
+             f"{c['int8_gops_per_core']:.0f} GOP/s/core, read "
+             + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items())
+             + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
+             f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token", ""]
+    metrics = [("prefill128_tok_s", "prefill 128 (tok/s)", True), ("prefill512_tok_s", "prefill 512 (tok/s)", True),
+               ("decode_tok_s", f"decode {GEN_TOKENS} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
+               ("load_ms", "load (ms)", False), ("peak_rss_mb", "peak RSS (MB)", False)]
+    header = "| metric | threads | " + " | ".join(engines) + (" | llambda / llama.cpp |" if len(engines) > 1 else " |")
+    lines += [header, "|" + "---|" * (len(engines) + 2 + (len(engines) > 1))]
+    by = {(r["engine"], r["threads"]): r for r in report["rows"]}
+    for key, label, higher_better in metrics:
+        for t in threads:
+            cells = []
+            for e in engines:
+                s = by[(e, t)][key]
+                cells.append(f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")
+            line = f"| {label} | {t} | " + " | ".join(cells)
+            if len(engines) > 1:
+                a, b = by[("llambda", t)][key]["median"], by[("llama.cpp", t)][key]["median"]
+                line += f" | {a / b:.2f}x"
+            lines.append(line + " |")
+    lines.append("")
+    for t in threads:
+        for e in engines:
+            r = by[(e, t)]
+            lines.append(f"- {e}, {t} thread(s): decode at {r['decode_pct_ceiling']:.0%} of the bandwidth ceiling, "
+                         f"prefill 512 at {r['prefill512_pct_ceiling']:.0%} of the INT8 ceiling")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2:])
+    else:
+        run()

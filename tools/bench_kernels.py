@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Kernel benchmark: llambda's kernels on the shapes of real models, beside numpy
+(OpenBLAS) and the machine's own ceilings, as ratios. One thread.
+
+    tools/bench_kernels.py [--quick] [--markdown]
+
+GEMM rows report GFLOP/s (2*m*n*k per call; for the int8 kernels the "ops"
+are the same multiply-adds) and % of the FMA or INT8 peak; m = 1 rows report
+the weight bytes streamed per second and % of one core's read bandwidth.
+numpy runs the same product in FP32 (x @ W.T with W dequantized).
+"""
+import argparse
+import os
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # one core, like the kernels
+import numpy as np  # noqa: E402
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
+MS = [1, 16, 128, 512]
+KINDS = ["Q4_1", "Q4_0", "Q8_0", "F32", "F16"]
+
+
+def _time(fn, budget=0.3, min_runs=3):
+    fn()
+    runs, best, start = 0, float("inf"), time.perf_counter()
+    while runs < min_runs or time.perf_counter() - start < budget:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        runs += 1
+    return best
+
+
+def _random_weight(kind, n, k, rng):
+    import gguf
+    from llambda.runtime import layouts
+    w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w, qtype) if kind not in ("F32",) else w
+    if kind == "F16":
+        raw = w.astype(np.float16)
+    return layouts.pack(kind, raw, n, k)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the 4096x4096 and 49152x576 shapes")
+    args = ap.parse_args(argv)
+
+    from llambda.runtime import buffers, ceilings, get_backend, layouts
+    from llambda.runtime.linear import Linear
+    be = get_backend("avx2")
+    peaks = dict(fma=ceilings.fma_peak_gflops(), int8=ceilings.int8_peak_gops(),
+                 bw=ceilings.read_bandwidth_gbs(1))
+    print(f"ceilings (measured, one core): FMA {peaks['fma']:.0f} GFLOP/s, INT8 {peaks['int8']:.0f} GOP/s, "
+          f"read {peaks['bw']:.1f} GB/s")
+    print()
+    print("| kernel | m | n x k | llambda | numpy f32 | vs numpy | % of ceiling |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    shapes = SHAPES[:3] if args.quick else SHAPES
+    for n, k in shapes:
+        for kind in KINDS:
+            w = _random_weight(kind, n, k, rng)
+            wf = layouts.dequantize(w) if n * k <= 49152 * 576 else None
+            lin = Linear(be, max(MS), k)
+            for m in MS:
+                x = buffers.aligned_copy(rng.standard_normal((m, k), dtype=np.float32))
+                out = buffers.empty((m, n))
+                t = _time(lambda: lin(x, w, out))
+                t_np = _time(lambda: x @ wf.T) if wf is not None else float("nan")
+                flops = 2.0 * m * n * k
+                if m == 1:
+                    rate = w.nbytes / t / 1e9
+                    cell, ceiling = f"{rate:.1f} GB/s", rate / peaks["bw"]
+                    np_cell = f"{wf.nbytes / t_np / 1e9:.1f} GB/s" if wf is not None else "-"
+                else:
+                    rate = flops / t / 1e9
+                    peak = peaks["int8"] if kind.startswith("Q") else peaks["fma"]
+                    cell, ceiling = f"{rate:.1f} GFLOP/s", rate / peak
+                    np_cell = f"{flops / t_np / 1e9:.1f} GFLOP/s" if wf is not None else "-"
+                print(f"| {kind} | {m} | {n}x{k} | {cell} | {np_cell} | {t_np / t:.2f}x | {ceiling:.0%} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

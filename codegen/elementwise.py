@@ -1,51 +1,527 @@
-"""Elementwise and row-wise FP32 kernels: add, scale, SiLU*mul, RMSNorm, softmax, RoPE.
+"""Elementwise and row-wise FP32 kernels: add, scale, exp, SiLU*mul, RMSNorm, softmax, RoPE.
 
-Every kernel handles any length: full 8-lane steps, then one masked step for
-the tail (VMASKMOVPS), so nothing beyond ``n`` is read or written.
+Every kernel handles any length: unrolled steps of several 8-lane vectors,
+then single vectors, then one masked vector for the tail (VMASKMOVPS), so
+nothing beyond a row is read or written. ``stream`` emits that loop shape once
+for all of them; a kernel only says what one vector step does. Rows need not be
+32-byte aligned (unaligned loads cost nothing on aligned data), which is what
+lets row kernels take any row length.
+
+Row kernels (RMSNorm, softmax, RoPE) take the number of rows, so a whole
+prefill batch is one call. They are memory-bound: each pass over a row after
+the first hits L1, and no pass does a horizontal operation inside its loop.
 """
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, Block, RETURN,
-                            VADDPS, VMOVUPS, VMASKMOVPS, CMP, JB, JAE, JZ, ADD, SUB, TEST)
+from peachpy import Constant
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, LOAD, Loop, Block,
+                            RETURN, LABEL, Label, JMP, JB, JAE, JZ, JNZ, JBE, CMP, ADD, SUB, TEST, MOV, IMUL,
+                            LEA, SHR, XOR, VADDPS, VMULPS, VDIVPS, VSUBPS, VMAXPS, VANDPS, VXORPS,
+                            VMOVUPS, VMOVAPS, VMASKMOVPS, VBROADCASTSS, VBLENDVPS, VPERMILPS, VPERM2F128,
+                            VFMADD231PS, VCVTPS2PD, VEXTRACTF128, VFMADD231PD, VADDPD, VPERMILPD,
+                            VXORPD, VUCOMISS, VCVTSS2SD, VCVTSI2SD, VDIVSD, VADDSD, VSQRTSD, VMOVAPD,
+                            VCVTSD2SS)
 
 from .common import Kernel, function, symbol, tail_mask
+from .vmath import exp_ps
 
+FAMILY = "elementwise"
 LANES = 8
+VECTOR_BYTES = 32
+FLOAT_BYTES = 4
 
+# Vectors per unrolled step: enough independent work to hide latency, small
+# enough that the step's registers (and exp_ps's scratch) fit in 16 ymm.
+UNROLL_STREAMING = 4     # one or two operations per vector: add, scale, RMSNorm/softmax output
+UNROLL_EXP = 2           # exp_ps needs 3-4 live registers per vector
+
+# RMSNorm sums squares in f32; a row whose sum leaves this range (overflow of
+# huge values, underflow of tiny ones, NaN) is summed again in f64.
+RMS_F32_SUM_MAX = 2.0 ** 120
+RMS_F32_SUM_MIN = 2.0 ** -60
+
+
+# --------------------------------------------------------------------------- stream loops
+
+class Vector:
+    """One 8-lane vector of a stream: lanes ``index + 32*group`` bytes from any base pointer.
+
+    ``mask`` is None for a whole vector, else the tail's lane mask: masked
+    loads give 0 in the unused lanes and masked stores leave memory alone."""
+
+    def __init__(self, index, group, mask=None):
+        self.index, self.group, self.mask = index, group, mask
+
+    def address(self, base):
+        return [base + self.index * 1 + VECTOR_BYTES * self.group]
+
+    def load(self, reg, base):
+        if self.mask is None:
+            VMOVUPS(reg, self.address(base))
+        else:
+            VMASKMOVPS(reg, self.mask, self.address(base))
+
+    def store(self, base, reg):
+        if self.mask is None:
+            VMOVUPS(self.address(base), reg)
+        else:
+            VMASKMOVPS(self.address(base), self.mask, reg)
+
+
+def stream(count, indices, step, unroll):
+    """Emit a loop over ``count`` floats (a GP register; consumed).
+
+    ``step(*vectors)`` emits the work of one vector, one ``Vector`` per byte
+    index register in ``indices`` (they all advance together; the caller
+    zeroes or sets them). The unrolled loop passes groups 0..unroll-1, so a
+    step can keep one accumulator per group."""
+    for width in sorted({unroll, 1}, reverse=True):
+        loop = Loop()
+        CMP(count, width * LANES)
+        JB(loop.end)
+        with loop:
+            for group in range(width):
+                step(*(Vector(index, group) for index in indices))
+            for index in indices:
+                ADD(index, width * VECTOR_BYTES)
+            SUB(count, width * LANES)
+            CMP(count, width * LANES)
+            JAE(loop.begin)
+    tail = Block()
+    with tail:
+        TEST(count, count)
+        JZ(tail.end)
+        mask = YMMRegister()
+        tail_mask(mask, count)
+        step(*(Vector(index, 0, mask) for index in indices))
+
+
+def stream_row(length, step, unroll, extra_offsets=()):
+    """``stream`` over one row of ``length`` floats with fresh index registers.
+
+    ``extra_offsets`` are GP registers holding byte offsets: each adds an
+    index register starting there (a second stream within the same row)."""
+    count, index = GeneralPurposeRegister64(), GeneralPurposeRegister64()
+    MOV(count, length)
+    XOR(index.as_dword, index.as_dword)
+    indices = [index]
+    for offset in extra_offsets:
+        shifted = GeneralPurposeRegister64()
+        MOV(shifted, offset)
+        indices.append(shifted)
+    stream(count, indices, step, unroll)
+
+
+def load_arguments(args):
+    """One GP register per argument (pointers and sizes), in order."""
+    regs = []
+    for arg in args:
+        reg = GeneralPurposeRegister64()
+        LOAD.ARGUMENT(reg, arg)
+        regs.append(reg)
+    return regs
+
+
+def load_float_argument(arg):
+    """A float argument broadcast to all 8 lanes."""
+    value = YMMRegister()
+    LOAD.ARGUMENT(value.as_xmm, arg)
+    VBROADCASTSS(value, value.as_xmm)
+    return value
+
+
+def fold_lanes(op, acc):
+    """Combine the 8 lanes of ``acc`` with ``op`` (VADDPS, VMAXPS) so every lane holds the result.
+
+    The butterfly pairs lanes symmetrically, so all lanes end bitwise equal
+    and no broadcast is needed afterwards."""
+    swapped = YMMRegister()
+    VPERM2F128(swapped, acc, acc, 0x01)
+    op(acc, acc, swapped)
+    VPERMILPS(swapped, acc, 0b01001110)
+    op(acc, acc, swapped)
+    VPERMILPS(swapped, acc, 0b10110001)
+    op(acc, acc, swapped)
+
+
+def combine(op, accumulators):
+    """Fold a list of accumulators into the first (pairwise, to keep the chain short)."""
+    while len(accumulators) > 1:
+        for a, b in zip(accumulators[0::2], accumulators[1::2]):
+            op(a, a, b)
+        accumulators = accumulators[0::2]
+    return accumulators[0]
+
+
+def negative_zero():
+    return Constant.float32x8(-0.0)
+
+
+# --------------------------------------------------------------------------- elementwise
 
 def emit_add(isa):
     """out[i] = a[i] + b[i] for i < n."""
     sig = [("a", "const float*"), ("b", "const float*"), ("out", "float*"), ("n", "size_t")]
     fn, args = function(symbol("add", "f32", "", isa), sig, isa)
     with fn:
-        a, b, out, n = (GeneralPurposeRegister64() for _ in range(4))
-        for reg, arg in zip((a, b, out, n), args):
-            LOAD.ARGUMENT(reg, arg)
-        x = YMMRegister()
-        full = Loop()
-        CMP(n, LANES)
-        JB(full.end)
-        with full:
-            VMOVUPS(x, [a])
-            VADDPS(x, x, [b])
-            VMOVUPS([out], x)
-            ADD(a, 32)
-            ADD(b, 32)
-            ADD(out, 32)
-            SUB(n, LANES)
-            CMP(n, LANES)
-            JAE(full.begin)
-        tail = Block()
-        with tail:
-            TEST(n, n)
-            JZ(tail.end)
-            mask, y = YMMRegister(), YMMRegister()
-            tail_mask(mask, n)
-            VMASKMOVPS(x, mask, [a])
-            VMASKMOVPS(y, mask, [b])
+        a, b, out, n = load_arguments(args)
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            x, y = YMMRegister(), YMMRegister()
+            v.load(x, a)
+            v.load(y, b)
             VADDPS(x, x, y)
-            VMASKMOVPS([out], mask, x)
+            v.store(out, x)
+
+        stream(n, [index], step, UNROLL_STREAMING)
         RETURN()
-    return Kernel(fn, "elementwise", isa, tile=f"{LANES}", args=sig)
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+def emit_scale(isa):
+    """out[i] = x[i] * s for i < n."""
+    sig = [("x", "const float*"), ("s", "float"), ("out", "float*"), ("n", "size_t")]
+    fn, (x_arg, s_arg, out_arg, n_arg) = function(symbol("scale", "f32", "", isa), sig, isa)
+    with fn:
+        x, out, n = load_arguments((x_arg, out_arg, n_arg))
+        s = load_float_argument(s_arg)
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            value = YMMRegister()
+            v.load(value, x)
+            VMULPS(value, value, s)
+            v.store(out, value)
+
+        stream(n, [index], step, UNROLL_STREAMING)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+def emit_exp(isa):
+    """out[i] = exp(x[i]) for i < n: vmath.exp_ps as a kernel, so it can be tested on its own."""
+    sig = [("x", "const float*"), ("out", "float*"), ("n", "size_t")]
+    fn, args = function(symbol("exp", "f32", "", isa), sig, isa)
+    with fn:
+        x, out, n = load_arguments(args)
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            value, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
+            v.load(value, x)
+            exp_ps(value, value, t1, t2)
+            v.store(out, value)
+
+        stream(n, [index], step, UNROLL_EXP)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+def emit_silu_mul(isa):
+    """out[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for i < n (SwiGLU's SiLU(gate) * up).
+
+    The division is a real VDIVPS: exact, and cheaper than it looks next to
+    exp. Very negative gates make exp(-g) inf, so the quotient is -0."""
+    sig = [("gate", "const float*"), ("up", "const float*"), ("out", "float*"), ("n", "size_t")]
+    fn, args = function(symbol("silu_mul", "f32", "", isa), sig, isa)
+    with fn:
+        gate, up, out, n = load_arguments(args)
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            g, e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+            v.load(g, gate)
+            VXORPS(e, g, negative_zero())                   # -g
+            exp_ps(e, e, t1, t2)
+            VADDPS(e, e, Constant.float32x8(1.0))
+            VDIVPS(e, g, e)
+            v.load(t1, up)
+            VMULPS(e, e, t1)
+            v.store(out, e)
+
+        stream(n, [index], step, UNROLL_EXP)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+def sum_squares_f32(row, length):
+    """Sum of squares of a row, in f32 with one accumulator per unrolled vector.
+
+    Returns a ymm whose every lane holds the sum."""
+    accumulators = [YMMRegister() for _ in range(UNROLL_STREAMING)]
+    for acc in accumulators:
+        VXORPS(acc, acc, acc)
+
+    def step(v):
+        value = YMMRegister()
+        v.load(value, row)                      # masked lanes load 0: they add nothing
+        VFMADD231PS(accumulators[v.group], value, value)
+
+    stream_row(length, step, UNROLL_STREAMING)
+    total = combine(VADDPS, accumulators)
+    fold_lanes(VADDPS, total)
+    return total
+
+
+def sum_squares_f64(row, length, total):
+    """Sum of squares of a row in f64 into the xmm ``total`` (low lane): the slow, safe path."""
+    unroll = 2
+    accumulators = [YMMRegister() for _ in range(2 * unroll)]
+    for acc in accumulators:
+        VXORPD(acc, acc, acc)
+
+    def step(v):
+        value, low, high = YMMRegister(), YMMRegister(), YMMRegister()
+        v.load(value, row)
+        VCVTPS2PD(low, value.as_xmm)
+        VEXTRACTF128(high.as_xmm, value, 1)
+        VCVTPS2PD(high, high.as_xmm)
+        VFMADD231PD(accumulators[2 * v.group], low, low)
+        VFMADD231PD(accumulators[2 * v.group + 1], high, high)
+
+    stream_row(length, step, unroll)
+    acc = combine(VADDPD, accumulators)
+    swapped = YMMRegister()
+    VPERM2F128(swapped, acc, acc, 0x01)
+    VADDPD(acc, acc, swapped)
+    VPERMILPD(swapped.as_xmm, acc.as_xmm, 0b01)
+    VADDSD(total, acc.as_xmm, swapped.as_xmm)
+
+
+def emit_rmsnorm(isa):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for each of ``rows`` rows of ``d`` floats.
+
+    The sum of squares runs in f32 (fast); if it overflowed, underflowed or is
+    NaN the row is summed again in f64. The scale 1/sqrt(mean + eps) is
+    computed in f64 either way, so huge rows (|x| ~ 1e30) normalise exactly
+    like ordinary ones."""
+    sig = [("x", "const float*"), ("w", "const float*"), ("out", "float*"),
+           ("rows", "size_t"), ("d", "size_t"), ("eps", "float")]
+    fn, (x_arg, w_arg, out_arg, rows_arg, d_arg, eps_arg) = function(
+        symbol("rmsnorm", "f32", "", isa), sig, isa)
+    with fn:
+        x_row, w, out_row, rows, d = load_arguments((x_arg, w_arg, out_arg, rows_arg, d_arg))
+        eps = XMMRegister()
+        LOAD.ARGUMENT(eps, eps_arg)
+        VCVTSS2SD(eps, eps, eps)
+        d_f64 = XMMRegister()
+        VXORPD(d_f64, d_f64, d_f64)
+        VCVTSI2SD(d_f64, d_f64, d)
+        row_bytes = GeneralPurposeRegister64()
+        LEA(row_bytes, [d * FLOAT_BYTES])
+
+        with Loop() as row_loop:
+            sum_f32 = sum_squares_f32(x_row, d)
+            ss = XMMRegister()
+            slow, have_sum = Label(), Label()
+            # (Constants are loaded as whole ymm: PeachPy needs one constant size per function.)
+            limit = YMMRegister()
+            VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MAX))
+            VUCOMISS(limit.as_xmm, sum_f32.as_xmm)
+            JBE(slow)                                   # sum >= MAX, or NaN (unordered)
+            VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MIN))
+            VUCOMISS(sum_f32.as_xmm, limit.as_xmm)
+            JB(slow)                                    # sum < MIN (tiny or zero row)
+            VCVTSS2SD(ss, sum_f32.as_xmm, sum_f32.as_xmm)
+            JMP(have_sum)
+            LABEL(slow)
+            sum_squares_f64(x_row, d, ss)
+            LABEL(have_sum)
+
+            # inv_rms = 1 / sqrt(ss / d + eps), in f64, then rounded once to f32
+            VDIVSD(ss, ss, d_f64)
+            VADDSD(ss, ss, eps)
+            VSQRTSD(ss, ss, ss)
+            inv = YMMRegister()
+            VMOVAPD(inv, Constant.float64x4(1.0))
+            VDIVSD(inv.as_xmm, inv.as_xmm, ss)
+            inv_rms = YMMRegister()
+            VCVTSD2SS(inv_rms.as_xmm, inv.as_xmm, inv.as_xmm)
+            VBROADCASTSS(inv_rms, inv_rms.as_xmm)
+
+            def normalize(v):
+                value, weight = YMMRegister(), YMMRegister()
+                v.load(value, x_row)
+                v.load(weight, w)
+                VMULPS(value, value, inv_rms)
+                VMULPS(value, value, weight)
+                v.store(out_row, value)
+
+            stream_row(d, normalize, UNROLL_STREAMING)
+            ADD(x_row, row_bytes)
+            ADD(out_row, row_bytes)
+            SUB(rows, 1)
+            JNZ(row_loop.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+# --------------------------------------------------------------------------- softmax
+
+def row_max(row, length):
+    """Maximum of a row; every lane of the returned ymm holds it."""
+    accumulators = [YMMRegister() for _ in range(UNROLL_STREAMING)]
+    for acc in accumulators:
+        VMOVAPS(acc, Constant.float32x8(float("-inf")))
+
+    def step(v):
+        acc = accumulators[v.group]
+        if v.mask is None:
+            VMAXPS(acc, acc, v.address(row))
+        else:
+            value = YMMRegister()
+            v.load(value, row)
+            VBLENDVPS(value, acc, value, v.mask)        # unused lanes repeat acc: max unchanged
+            VMAXPS(acc, acc, value)
+
+    stream_row(length, step, UNROLL_STREAMING)
+    total = combine(VMAXPS, accumulators)
+    fold_lanes(VMAXPS, total)
+    return total
+
+
+def emit_softmax(isa):
+    """out[r] = exp(x[r] - max(x[r])) / sum(...) for each of ``rows`` rows of ``n`` floats.
+
+    Three passes: max; exp stored to out and summed; scale by 1/sum. out may
+    be x: every pass reads an element before it writes it. -inf gives 0."""
+    sig = [("x", "const float*"), ("out", "float*"), ("rows", "size_t"), ("n", "size_t")]
+    fn, args = function(symbol("softmax", "f32", "", isa), sig, isa)
+    with fn:
+        x_row, out_row, rows, n = load_arguments(args)
+        row_bytes = GeneralPurposeRegister64()
+        LEA(row_bytes, [n * FLOAT_BYTES])
+
+        with Loop() as row_loop:
+            peak = row_max(x_row, n)
+            sums = [YMMRegister() for _ in range(UNROLL_EXP)]
+            for acc in sums:
+                VXORPS(acc, acc, acc)
+
+            def exponentiate(v):
+                e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
+                v.load(e, x_row)
+                VSUBPS(e, e, peak)
+                exp_ps(e, e, t1, t2)
+                v.store(out_row, e)
+                if v.mask is not None:
+                    VANDPS(e, e, v.mask)                # unused lanes hold exp(-max)
+                VADDPS(sums[v.group], sums[v.group], e)
+
+            stream_row(n, exponentiate, UNROLL_EXP)
+            total = combine(VADDPS, sums)
+            fold_lanes(VADDPS, total)
+            inv_sum = YMMRegister()
+            VMOVAPS(inv_sum, Constant.float32x8(1.0))
+            VDIVPS(inv_sum, inv_sum, total)
+
+            def normalize(v):
+                value = YMMRegister()
+                v.load(value, out_row)
+                VMULPS(value, value, inv_sum)
+                v.store(out_row, value)
+
+            stream_row(n, normalize, UNROLL_STREAMING)
+            ADD(x_row, row_bytes)
+            ADD(out_row, row_bytes)
+            SUB(rows, 1)
+            JNZ(row_loop.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+ROPE_SIGNATURE = [("x", "const float*"), ("positions", "const int32_t*"), ("cos", "const float*"),
+                  ("sin", "const float*"), ("out", "float*"), ("m", "size_t"), ("n_heads", "size_t"),
+                  ("head_dim", "size_t")]
+
+
+def rotate_pairs(x_head, out_head, cos_row, sin_row, head_dim):
+    """One head, llama.cpp/GGUF convention: out = x*cos + swap_adjacent(x)*sin.
+
+    A vector starts at an even lane of the head (heads and vectors have even
+    sizes), so the swap never crosses a pair, the masked tail included."""
+    def step(v):
+        value, partner, table = YMMRegister(), YMMRegister(), YMMRegister()
+        v.load(value, x_head)
+        VPERMILPS(partner, value, 0b10110001)           # lanes 1,0,3,2,...
+        v.load(table, cos_row)
+        VMULPS(value, value, table)
+        v.load(table, sin_row)
+        VFMADD231PS(value, partner, table)
+        v.store(out_head, value)
+
+    stream_row(head_dim, step, UNROLL_STREAMING)
+
+
+def rotate_halves(x_head, out_head, cos_row, sin_row, half, half_bytes):
+    """One head, NeoX/HF convention: lane i pairs with lane i + head_dim/2.
+
+    Walks the first half with one index and the second with another, so each
+    step loads both partners before it stores either (in place is safe)."""
+    def step(lo, hi):
+        x_lo, x_hi, result, table = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+        lo.load(x_lo, x_head)
+        hi.load(x_hi, x_head)
+        lo.load(table, cos_row)
+        VMULPS(result, x_lo, table)
+        lo.load(table, sin_row)
+        VFMADD231PS(result, x_hi, table)
+        lo.store(out_head, result)
+        hi.load(table, cos_row)
+        VMULPS(x_hi, x_hi, table)
+        hi.load(table, sin_row)
+        VFMADD231PS(x_hi, x_lo, table)
+        hi.store(out_head, x_hi)
+
+    stream_row(half, step, UNROLL_EXP, extra_offsets=(half_bytes,))
+
+
+def emit_rope(isa, style):
+    """out[t, h] = x[t, h] * cos[pos[t]] + partner(x[t, h]) * sin[pos[t]] for every token t, head h.
+
+    The tables (runtime.ref.elementwise.rope_tables) carry the signs, so both
+    styles are this one formula and differ only in ``partner``."""
+    fn, args = function(symbol("rope", f"{style}_f32", "", isa), ROPE_SIGNATURE, isa)
+    with fn:
+        x_head, positions, cos_base, sin_base, out_head, m, n_heads, head_dim = load_arguments(args)
+        head_bytes = GeneralPurposeRegister64()
+        LEA(head_bytes, [head_dim * FLOAT_BYTES])
+
+        with Loop() as token_loop:
+            cos_row, sin_row = GeneralPurposeRegister64(), GeneralPurposeRegister64()
+            MOV(cos_row.as_dword, [positions])                 # positions are >= 0 (validated)
+            IMUL(cos_row, head_bytes)
+            LEA(sin_row, [sin_base + cos_row * 1])
+            ADD(cos_row, cos_base)
+            heads_left = GeneralPurposeRegister64()
+            MOV(heads_left, n_heads)
+            with Loop() as head_loop:
+                if style == "pairs":
+                    rotate_pairs(x_head, out_head, cos_row, sin_row, head_dim)
+                else:
+                    half, half_bytes = GeneralPurposeRegister64(), GeneralPurposeRegister64()
+                    MOV(half, head_dim)
+                    SHR(half, 1)
+                    LEA(half_bytes, [half * FLOAT_BYTES])
+                    rotate_halves(x_head, out_head, cos_row, sin_row, half, half_bytes)
+                ADD(x_head, head_bytes)
+                ADD(out_head, head_bytes)
+                SUB(heads_left, 1)
+                JNZ(head_loop.begin)
+            ADD(positions, 4)
+            SUB(m, 1)
+            JNZ(token_loop.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=ROPE_SIGNATURE)
 
 
 def emit(isa):
-    return [emit_add(isa)]
+    return [emit_add(isa), emit_scale(isa), emit_exp(isa), emit_silu_mul(isa), emit_rmsnorm(isa),
+            emit_softmax(isa), emit_rope(isa, "pairs"), emit_rope(isa, "halves")]

@@ -1,43 +1,60 @@
 """Vector math building blocks emitted inline by kernels (no kernels of its own).
 
-``exp_ps`` is the classic Cephes-style single-precision exp: range-reduce by
-ln 2 (split in two constants so the reduction is exact to float precision),
-a degree-6 polynomial on [-ln2/2, ln2/2], then scale by 2^n through the
-exponent bits. Max relative error ~2 ulp over the clamped range; inputs below
--87.3 give ~0 (exp of very negative scores in softmax), above 88.37 are clamped.
+``exp_ps`` is a Cephes-style single-precision exp: range-reduce by ln 2 (split
+in two constants so the reduction is exact to float precision), a degree-7
+polynomial on [-ln2/2, ln2/2], then scale by a power of two built in the
+exponent bits. Measured error <= 2 ulp over [-87, 88.7] (tests/test_vmath.py).
+
+Edges, chosen for softmax and SiLU rather than for IEEE purity:
+- results below 2^-125 (x < ~-87) are +0, never subnormal: -inf gives 0, and
+  no subnormal ever slows down the caller;
+- results above FLT_MAX (x > ~88.72) are +inf, so 1 / (1 + exp(-x)) goes to 0;
+- NaN gives NaN.
 """
 from peachpy import Constant
 from peachpy.x86_64 import (VMINPS, VMAXPS, VMULPS, VROUNDPS, VFNMADD231PS, VFMADD213PS,
-                            VMOVAPS, VCVTPS2DQ, VPADDD, VPSLLD, VADDPS)
+                            VFMADD231PS, VMOVAPS, VCVTPS2DQ, VPADDD, VPSLLD, VADDPS)
 
 LOG2E = 1.44269504088896341
-LN2_HI = 0.693359375
-LN2_LO = -2.12194440e-4
+LN2_HI = 0.693359375            # 9 significant bits: n * LN2_HI is exact for |n| <= 128
+LN2_LO = -2.12194440e-4         # ln 2 - LN2_HI
 POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
         1.6666665459e-1, 5.0000001201e-1)
+
+# The clamp keeps n = round(x * log2 e) within [-126, 128], where 2^(n-1) is
+# either a normal float or, for n = -126, exactly +0 (exponent field 0).
+# Scaling 2*p(r) by 2^(n-1) instead of p(r) by 2^n lets n = 128 reach the top
+# of the float range and overflow to inf by an ordinary multiply.
+EXP_HI = 89.0       # n = 128: overflows to inf (ln FLT_MAX = 88.72)
+EXP_LO = -87.5      # n = -126: exactly 0
 
 
 def exp_ps(out, x, t1, t2):
     """out = exp(x) for 8 floats. ``t1``, ``t2`` are scratch ymm registers.
 
     ``x`` is not modified unless it is ``out``."""
-    VMINPS(out, x, Constant.float32x8(88.3762626647949))
-    VMAXPS(out, out, Constant.float32x8(-87.3365447504019))
+    # Clamp with the constant as first operand: MINPS/MAXPS return the second
+    # operand when either is NaN, so a NaN in x survives the clamp.
+    VMOVAPS(t1, Constant.float32x8(EXP_HI))
+    VMINPS(out, t1, x)
+    VMOVAPS(t1, Constant.float32x8(EXP_LO))
+    VMAXPS(out, t1, out)
     # n = round(x * log2(e)); r = x - n*ln2 (two steps, exact)
     VMULPS(t1, out, Constant.float32x8(LOG2E))
     VROUNDPS(t1, t1, 0)                     # 0: round to nearest even
     VFNMADD231PS(out, t1, Constant.float32x8(LN2_HI))
     VFNMADD231PS(out, t1, Constant.float32x8(LN2_LO))
-    # p(r) = 1 + r + r^2 * (c5 + r*(c4 + ... ))  by Horner
-    VMOVAPS(t2, Constant.float32x8(POLY[0]))
+    # 2*p(r) = 2 + 2r + r^2 * 2c(r), c by Horner. The factor 2 is folded into
+    # the constants (exact: powers of two), so this costs nothing extra.
+    VMOVAPS(t2, Constant.float32x8(2 * POLY[0]))
     for c in POLY[1:]:
-        VFMADD213PS(t2, out, Constant.float32x8(c))     # t2 = t2*r + c
-    VMULPS(t2, t2, out)                     # t2 = r * poly
-    VMULPS(t2, t2, out)                     # t2 = r^2 * poly
-    VADDPS(t2, t2, out)                     # + r
-    VADDPS(t2, t2, Constant.float32x8(1.0))  # + 1
-    # 2^n via the exponent field: (n + 127) << 23
+        VFMADD213PS(t2, out, Constant.float32x8(2 * c))     # t2 = t2*r + 2c
+    VMULPS(t2, t2, out)
+    VMULPS(t2, t2, out)                                     # r^2 * 2c(r)
+    VFMADD231PS(t2, out, Constant.float32x8(2.0))           # + 2r
+    VADDPS(t2, t2, Constant.float32x8(2.0))                 # + 2
+    # 2^(n-1) via the exponent field: (n - 1 + 127) << 23
     VCVTPS2DQ(t1, t1)
-    VPADDD(t1, t1, Constant.uint32x8(127))
+    VPADDD(t1, t1, Constant.uint32x8(126))
     VPSLLD(t1, t1, 23)
     VMULPS(out, t2, t1)

@@ -1,8 +1,92 @@
-"""numpy references: elementwise and row-wise FP32 ops."""
+"""numpy references: elementwise and row-wise FP32 ops, computed in float64 from the math.
+
+Row-wise ops (rmsnorm, softmax) work on the last axis; leading axes are rows.
+"""
 import numpy as np
 
-__all__ = ["add"]
+from .. import buffers
+
+__all__ = ["add", "scale", "exp", "silu_mul", "rmsnorm", "softmax", "rope", "rope_tables"]
+
+ROPE_STYLES = ("pairs", "halves")
 
 
 def add(a, b, out):
     np.add(a, b, out=out, dtype=np.float32)
+
+
+def scale(x, s, out):
+    """out = x * s; s is rounded to float32 first, as the kernel receives it."""
+    np.multiply(x, np.float32(s), out=out, dtype=np.float32)
+
+
+def exp(x, out):
+    with np.errstate(over="ignore"):
+        out[...] = np.exp(x.astype(np.float64))
+
+
+def silu_mul(gate, up, out):
+    """out = SiLU(gate) * up = gate / (1 + exp(-gate)) * up."""
+    g = gate.astype(np.float64)
+    with np.errstate(over="ignore"):
+        out[...] = g / (1.0 + np.exp(-g)) * up
+
+
+def rmsnorm(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each row i."""
+    x64 = x.astype(np.float64)
+    mean_square = np.mean(x64 * x64, axis=-1, keepdims=True)
+    out[...] = x64 / np.sqrt(mean_square + float(eps)) * w
+
+
+def softmax(x, out):
+    """Row-wise softmax, max-subtracted; out may be x."""
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+    out[...] = e / e.sum(axis=-1, keepdims=True)
+
+
+def rope_tables(n_ctx, head_dim, base, style):
+    """cos, sin tables [n_ctx, head_dim] (f32, aligned) for ``rope`` in ``style``.
+
+    Rotation i turns by theta_i = pos * base^(-2i/head_dim). The tables carry
+    the signs so that rope is out = x*cos + partner(x)*sin in both styles:
+      pairs  (llama.cpp / GGUF LLaMA): x[2i] with x[2i+1];
+             cos = [c0, c0, c1, c1, ...], sin = [-s0, s0, -s1, s1, ...]
+      halves (NeoX / Hugging Face): x[i] with x[i + head_dim/2];
+             cos = [c, c], sin = [-s, s]"""
+    if style not in ROPE_STYLES:
+        raise ValueError(f"style: expected one of {ROPE_STYLES}, got {style!r}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim: expected an even number >= 2, got {head_dim}")
+    half = head_dim // 2
+    inv_freq = float(base) ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
+    theta = np.arange(n_ctx, dtype=np.float64)[:, None] * inv_freq[None, :]
+    c, s = np.cos(theta), np.sin(theta)
+    if style == "pairs":
+        cos = np.repeat(c, 2, axis=1)
+        sin = np.stack([-s, s], axis=-1).reshape(n_ctx, head_dim)
+    else:
+        cos = np.concatenate([c, c], axis=1)
+        sin = np.concatenate([-s, s], axis=1)
+    return buffers.aligned_copy(cos, np.float32), buffers.aligned_copy(sin, np.float32)
+
+
+def rope_partner(x, style):
+    """The lane each lane rotates with: adjacent pairs swapped, or the two halves swapped."""
+    if style == "pairs":
+        return x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
+    half = x.shape[-1] // 2
+    return np.concatenate([x[..., half:], x[..., :half]], axis=-1)
+
+
+def rope(x, positions, cos, sin, style, out):
+    """out[t, h] = x[t, h] * cos[positions[t]] + partner(x[t, h]) * sin[positions[t]].
+
+    x is [m, n_heads, head_dim]; out may be x."""
+    if style not in ROPE_STYLES:
+        raise ValueError(f"style: expected one of {ROPE_STYLES}, got {style!r}")
+    x64 = x.astype(np.float64)
+    c = cos[positions][:, None, :].astype(np.float64)
+    s = sin[positions][:, None, :].astype(np.float64)
+    out[...] = x64 * c + rope_partner(x64, style) * s

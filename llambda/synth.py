@@ -13,7 +13,6 @@ so a 1.1B-parameter model never sits in memory as a whole, and atomically
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,10 +113,9 @@ def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: 
                                plan.storage_dtype, plan.nbytes,
                                raw_dtype=None if plan.type_name in ("F32", "F16") else plan.qtype)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
+    tmp_name = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        writer.write_header_to_file(Path(tmp_name))
+        writer.write_header_to_file(tmp_name)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for index, plan in enumerate(plans):
@@ -126,8 +124,7 @@ def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: 
         os.replace(tmp_name, path)
     except BaseException:
         writer.close()
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+        tmp_name.unlink(missing_ok=True)
         raise
     return path
 

@@ -49,6 +49,9 @@ class WeightFileError(ValueError):
         self.path = path
         self.problem = problem
 
+    def __reduce__(self):      # survives pickling (errors cross process boundaries in the benchmark)
+        return type(self), (self.path, self.problem)
+
 
 @dataclass(frozen=True)
 class TensorEntry:

@@ -1,0 +1,342 @@
+"""GGUF -> llambda model file, and loading that file back as weights.
+
+A GGUF is read once (with the ``gguf`` package), its matrices repacked into
+the layouts the kernels read (runtime/layouts.py), and everything written to
+one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
+
+    format, schema    "llambda-model", SCHEMA_VERSION
+    config            ModelConfig.to_dict()
+    tokenizer         every ``tokenizer.*`` GGUF key, verbatim (full key names)
+    gguf              the other GGUF keys (general.*, llama.*), for ``info``
+    source            file name and size of the GGUF it came from
+    packer            fingerprint of the layout code that packed the matrices
+    vectors           names of 1-D tensors, stored as f32 arrays under their own name
+    layouts           per 2-D tensor: {kind, n, k, meta, arrays}; its arrays are
+                      stored as "<tensor>/<array>"
+
+Loading maps the file and rebuilds each PackedWeight around the mapped
+arrays: no copy, no conversion.
+"""
+import hashlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from llambda.runtime import layouts, paths, weightfile
+from llambda.runtime.layouts import PackedWeight
+
+from .config import ModelConfig
+from .errors import UserError
+
+MODEL_FORMAT = "llambda-model"
+SCHEMA_VERSION = 1
+SUFFIX = ".llb"
+
+# Tensors of a llama block, with their shape as (n, k) for matrices or (n,) for vectors.
+_LAYER_TENSORS = {
+    "attn_norm": lambda c: (c.dim,),
+    "attn_q": lambda c: (c.n_head * c.head_dim, c.dim),
+    "attn_k": lambda c: (c.n_kv_head * c.head_dim, c.dim),
+    "attn_v": lambda c: (c.n_kv_head * c.head_dim, c.dim),
+    "attn_output": lambda c: (c.dim, c.n_head * c.head_dim),
+    "ffn_norm": lambda c: (c.dim,),
+    "ffn_gate": lambda c: (c.ffn_dim, c.dim),
+    "ffn_up": lambda c: (c.ffn_dim, c.dim),
+    "ffn_down": lambda c: (c.dim, c.ffn_dim),
+}
+_MODEL_TENSORS = {
+    "token_embd.weight": lambda c: (c.vocab_size, c.dim),
+    "output_norm.weight": lambda c: (c.dim,),
+}
+_LM_HEAD = "output.weight"
+
+
+# ---------------------------------------------------------------- GGUF -> llambda
+
+def convert(gguf_path, out_path=None, progress=True):
+    """Repack the GGUF at ``gguf_path`` into a llambda file (default: beside it, ``.llb``)."""
+    gguf_path = Path(gguf_path)
+    out_path = Path(out_path) if out_path is not None else gguf_path.with_suffix(SUFFIX)
+    if out_path.resolve() == gguf_path.resolve():
+        raise UserError(f"{out_path}: the output would overwrite the GGUF it is converted from")
+    reader = _read_gguf(gguf_path)
+    gguf_metadata = {name: _field_value(field) for name, field in reader.fields.items()
+                     if not name.startswith("GGUF.")}
+    tensors = {t.name: t for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(gguf_metadata, tied_embeddings=_LM_HEAD not in tensors)
+    _check_tensors(config, tensors)
+
+    arrays, vectors, packed = _repack(tensors, progress)
+    metadata = {
+        "format": MODEL_FORMAT,
+        "schema": SCHEMA_VERSION,
+        "config": config.to_dict(),
+        "tokenizer": {k: v for k, v in gguf_metadata.items() if k.startswith("tokenizer.")},
+        "gguf": {k: v for k, v in gguf_metadata.items() if not k.startswith("tokenizer.")},
+        "source": {"file": gguf_path.name, "bytes": gguf_path.stat().st_size},
+        "packer": packer_fingerprint(),
+        "vectors": vectors,
+        "layouts": packed,
+    }
+    try:
+        return weightfile.write(out_path, metadata, arrays, progress=progress)
+    except OSError as e:
+        raise UserError(f"{out_path}: cannot write ({e.strerror or e})") from None
+
+
+def _read_gguf(path):
+    import gguf   # conversion-time only: loading a converted file does not need it
+    kind = _sniff(path)
+    if kind == "llambda":
+        raise UserError(f"{path}: already a llambda file, nothing to convert")
+    if kind != "gguf":
+        raise UserError(f"{path}: not a GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:    # the reader raises a variety of errors on damaged files
+        raise UserError(f"{path}: cannot read this GGUF ({type(e).__name__}: {e})") from None
+
+
+def _field_value(field):
+    """A GGUF key's value as plain JSON-able Python (strings, numbers, bools, lists)."""
+    try:
+        return field.contents()
+    except UnicodeDecodeError:
+        # A string that is not valid UTF-8 (some vocabularies hold raw byte tokens):
+        # keep its bytes recoverable as surrogate escapes instead of failing.
+        strings = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+        return strings if len(field.types) > 1 else strings[0]
+
+
+def _check_tensors(config, tensors):
+    expected = {name: shape(config) for name, shape in _MODEL_TENSORS.items()}
+    for i in range(config.n_layer):
+        expected.update({f"blk.{i}.{part}.weight": shape(config) for part, shape in _LAYER_TENSORS.items()})
+    if not config.tied_embeddings:
+        expected[_LM_HEAD] = (config.vocab_size, config.dim)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UserError(f"the GGUF lacks tensors the llama architecture needs: {shown}")
+    for name, want in expected.items():
+        got = _shape_nk(tensors[name])
+        if got != want:
+            raise UserError(f"tensor {name} has shape {_fmt_shape(got)}, the config implies {_fmt_shape(want)}")
+
+
+def _shape_nk(tensor):
+    """GGUF lists dimensions fastest-first (ne = [k, n]); we say (n, k) like numpy."""
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _fmt_shape(shape):
+    return " x ".join(str(d) for d in shape)
+
+
+def _repack(tensors, progress):
+    """Every tensor as named arrays for the weight file, plus the metadata that describes them."""
+    from tqdm import tqdm
+    arrays, vectors, packed = {}, [], {}
+    for name, tensor in tqdm(tensors.items(), desc="repacking", unit="tensor", disable=not progress, leave=False):
+        shape = _shape_nk(tensor)
+        if len(shape) == 1:
+            arrays[name] = _vector_f32(name, tensor)
+            vectors.append(name)
+        elif len(shape) == 2:
+            weight = _pack_matrix(name, tensor, *shape)
+            for array_name, array in weight.arrays.items():
+                arrays[f"{name}/{array_name}"] = array
+            packed[name] = {"kind": weight.kind, "n": weight.n, "k": weight.k,
+                            "meta": weight.meta, "arrays": list(weight.arrays)}
+        else:
+            raise UserError(f"tensor {name} has {len(shape)} dimensions; llambda handles vectors and matrices")
+    return arrays, vectors, packed
+
+
+def _vector_f32(name, tensor):
+    """Norm weights and the like: small, so plain f32 whatever the GGUF stored."""
+    type_name = tensor.tensor_type.name
+    if type_name == "F32":
+        return np.array(tensor.data, dtype=np.float32).reshape(-1)
+    import gguf
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(-1)
+    except NotImplementedError:
+        raise UserError(f"tensor {name} has type {type_name}, which llambda cannot read") from None
+
+
+def _pack_matrix(name, tensor, n, k):
+    type_name = tensor.tensor_type.name
+    supported = layouts.supported_types()
+    if type_name not in supported:
+        raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
+                        f"(supported: {', '.join(supported)})")
+    try:
+        return layouts.pack(type_name, tensor.data, n, k)
+    except ValueError as e:
+        raise UserError(f"tensor {name} ({type_name}, {n} x {k}): {e}") from None
+
+
+def packer_fingerprint():
+    """A hash of the code that packs matrices: a change to a layout must not reuse old files."""
+    layouts.supported_types()     # imports (and so registers) every layout module
+    modules = {sys.modules[layouts.__name__]}
+    modules.update(inspect.getmodule(layout.pack) for layout in layouts.LAYOUTS.values())
+    digest = hashlib.sha256(f"schema {SCHEMA_VERSION}".encode())
+    for module in sorted(modules, key=lambda m: m.__name__):
+        digest.update(module.__name__.encode())
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- first use of a GGUF
+
+def ensure_converted(path, progress=True):
+    """The llambda file for ``path``: itself if it is one, else its cached conversion.
+
+    A GGUF is converted on first use into ``<cache>/converted/<stem>-<key>.llb``,
+    the key hashing its absolute path, size, mtime and the packing code, so an
+    edited GGUF or a changed layout gets a fresh conversion.
+    """
+    path = Path(path)
+    kind = _sniff(path)
+    if kind == "llambda":
+        return path
+    if kind != "gguf":
+        raise UserError(f"{path}: neither a GGUF nor a llambda model file")
+    target = paths.cache_dir() / "converted" / f"{path.stem}-{_cache_key(path)}{SUFFIX}"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"llambda: converting {path} on first use (cached as {target})", file=sys.stderr)
+    return convert(path, target, progress=progress)
+
+
+def _cache_key(path):
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{packer_fingerprint()}"
+    return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def _sniff(path):
+    try:
+        return weightfile.sniff(path)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a model file") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------- loading
+
+def load_model_file(path):
+    """``(config, tokenizer_metadata, weights)`` from a llambda model file, zero copy.
+
+    ``weights`` maps GGUF tensor names to a PackedWeight (matrices) or an f32
+    ndarray (vectors), all views of the read-only mapping.
+    """
+    weights_file = _open(path)
+    metadata = _model_metadata(weights_file)
+    try:
+        weights = {name: weights_file[name] for name in metadata["vectors"]}
+        for name, entry in metadata["layouts"].items():
+            arrays = {array: weights_file[f"{name}/{array}"] for array in entry["arrays"]}
+            weights[name] = PackedWeight(entry["kind"], entry["n"], entry["k"], arrays, dict(entry["meta"]))
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path}: model metadata does not match its tensors ({e!r}): convert it again") from None
+    return ModelConfig.from_dict(metadata["config"]), metadata["tokenizer"], weights
+
+
+def _open(path):
+    try:
+        return weightfile.open_weights(path)
+    except weightfile.WeightFileError as e:
+        raise UserError(str(e)) from None
+
+
+def _model_metadata(weights_file):
+    metadata = weights_file.metadata
+    if metadata.get("format") != MODEL_FORMAT:
+        raise UserError(f"{weights_file.path}: a llambda weight file, but not a model")
+    if metadata.get("schema") != SCHEMA_VERSION:
+        raise UserError(f"{weights_file.path}: model schema {metadata.get('schema')!r} is not "
+                        f"{SCHEMA_VERSION}: convert the GGUF again")
+    for key in ("config", "tokenizer", "vectors", "layouts"):
+        if key not in metadata:
+            raise UserError(f"{weights_file.path}: model metadata lacks {key!r}: convert the GGUF again")
+    return metadata
+
+
+def verify(path, progress=False):
+    """Check the model metadata and every tensor's checksum; UserError names what is wrong."""
+    load_model_file(path)
+    try:
+        _open(path).verify(progress=progress)
+    except weightfile.WeightFileError as e:
+        raise UserError(str(e)) from None
+
+
+# ---------------------------------------------------------------- info
+
+def info(path):
+    """A human-readable summary: source, config, tokenizer, tensor table."""
+    weights_file = _open(path)
+    metadata = _model_metadata(weights_file)
+    config = ModelConfig.from_dict(metadata["config"])
+    lines = [f"file       {weights_file.path} ({_mib(weights_file.file_size)})",
+             f"source     {metadata.get('source', {}).get('file', '?')}"
+             f" ({metadata.get('gguf', {}).get('general.name', 'unnamed')})"]
+    lines += ["", "config"] + [f"  {key:<16} {value}" for key, value in config.to_dict().items()]
+    lines += ["", "tokenizer"] + [f"  {line}" for line in _tokenizer_summary(metadata["tokenizer"])]
+    lines += ["", "tensors"] + [f"  {line}" for line in _tensor_table(weights_file, metadata)]
+    return "\n".join(lines)
+
+
+def _natural_key(name):
+    """Sort blk.2 before blk.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _tokenizer_summary(tok):
+    tokens = tok.get("tokenizer.ggml.tokens", [])
+
+    def token(key):
+        i = tok.get(key)
+        shown = repr(tokens[i]) if isinstance(i, int) and 0 <= i < len(tokens) else ""
+        return f"{i} {shown}".strip()
+
+    template = tok.get("tokenizer.chat_template")
+    return [
+        f"model            {tok.get('tokenizer.ggml.model', '?')} (pre: {tok.get('tokenizer.ggml.pre', '-')})",
+        f"tokens           {len(tokens)}",
+        f"merges           {len(tok.get('tokenizer.ggml.merges', []))}",
+        f"bos              {token('tokenizer.ggml.bos_token_id')}"
+        f" (added: {tok.get('tokenizer.ggml.add_bos_token', '?')})",
+        f"eos              {token('tokenizer.ggml.eos_token_id')}",
+        f"chat template    {f'{len(template)} characters' if template else 'none'}",
+    ]
+
+
+def _tensor_table(weights_file, metadata):
+    rows = []
+    for name in metadata["vectors"]:
+        rows.append((name, "f32", str(weights_file[name].shape[0]), weights_file[name].nbytes))
+    for name, entry in metadata["layouts"].items():
+        nbytes = sum(weights_file[f"{name}/{a}"].nbytes for a in entry["arrays"])
+        rows.append((name, entry["kind"], f"{entry['n']} x {entry['k']}", nbytes))
+    rows.sort(key=lambda row: _natural_key(row[0]))
+    width = max((len(r[0]) for r in rows), default=4)
+    table = [f"{'name':<{width}}  {'kind':<6} {'shape':>14} {'bytes':>12}"]
+    table += [f"{name:<{width}}  {kind:<6} {shape:>14} {nbytes:>12}" for name, kind, shape, nbytes in rows]
+    table.append(f"{len(rows)} tensors, {_mib(sum(r[3] for r in rows))}")
+    return table

@@ -1,0 +1,437 @@
+"""Text <-> token ids for the vocabularies that GGUF files carry.
+
+Two vocabulary kinds are supported, named by `tokenizer.ggml.model`:
+
+- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen 2, GPT-2). The text is split by
+  the pre-tokenizer regexes that `tokenizer.ggml.pre` names, each piece is mapped
+  byte by byte onto printable stand-in characters, and the merges are applied.
+- "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral). Spaces become
+  "▁", a space is prefixed to the text, pieces merge by token score, and
+  characters outside the vocabulary fall back to <0xXX> byte tokens.
+
+Both follow llama.cpp's behaviour, because that is what GGUF files are converted
+for and what the test fixtures are recorded from. The merge loops themselves run
+in HF `tokenizers` (Rust); this module decides what each call gets to see.
+"""
+import codecs
+from enum import IntEnum
+
+from tokenizers import Regex
+from tokenizers import Tokenizer as _HfTokenizer
+from tokenizers import models, pre_tokenizers
+
+from llambda.errors import UserError
+
+
+class TokenType(IntEnum):
+    """Values of `tokenizer.ggml.token_type` (the GGUF spec's enumeration)."""
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# ---------------------------------------------------------------------------
+# Pre-tokenizers of byte-level BPE vocabularies
+# ---------------------------------------------------------------------------
+
+_GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+# Llama 3 and Qwen 2 match contractions case-insensitively; spelled out as
+# classes because the case-insensitive group syntax differs between engines.
+_CONTRACTIONS_ANY_CASE = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3_WORDS = (_CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_WORDS = (_CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Each entry: the regexes applied one after another; every regex splits the
+# pieces the previous one left, keeping both its matches and the text between
+# them as pieces (so SmolLM first isolates every digit, then splits words).
+_PRE_TOKENIZER_REGEXES = {
+    "smollm": (r"\p{N}", _GPT2_WORDS),
+    "gpt2": (_GPT2_WORDS,),
+    "llama3": (_LLAMA3_WORDS,),
+    "qwen2": (_QWEN2_WORDS,),
+}
+
+# GGUF `tokenizer.ggml.pre` values (as llama.cpp's converter writes them) -> regex set.
+_PRE_TOKENIZER_NAMES = {
+    "smollm": "smollm",
+    "starcoder": "smollm",
+    "refact": "smollm",
+    "gpt2": "gpt2",
+    "gpt-2": "gpt2",
+    "phi-2": "gpt2",
+    "mpt": "gpt2",
+    "olmo": "gpt2",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "llama-bpe": "llama3",
+    "dbrx": "llama3",
+    "smaug-bpe": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+    "stablelm2": "qwen2",
+}
+
+# Llama 3's vocabulary holds whole words that its merges cannot reach; its
+# tokenizer looks a piece up as a whole before merging, and llama.cpp adds BOS.
+_WHOLE_WORD_FIRST = {"llama3"}
+_ADDS_BOS_BY_DEFAULT = {"llama3"}
+
+
+def _byte_level_alphabet():
+    """GPT-2's reversible map from the 256 byte values to printable characters.
+
+    Bytes that are printable Latin-1 stand for themselves; the rest (controls,
+    space, soft hyphen, ...) are moved, in order, to code points from 256 up.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    byte_to_char = {b: chr(b) for b in printable}
+    moved = 0
+    for b in range(256):
+        if b not in byte_to_char:
+            byte_to_char[b] = chr(256 + moved)
+            moved += 1
+    return byte_to_char
+
+
+_CHAR_TO_BYTE = str.maketrans({char: chr(b) for b, char in _byte_level_alphabet().items()})
+
+# Tokens that end a turn, recognised by text as llama.cpp does (GGUF files rarely
+# carry an id for them).
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+})
+
+
+# ---------------------------------------------------------------------------
+# Reading the metadata
+# ---------------------------------------------------------------------------
+
+def _required(md, key):
+    if key not in md:
+        raise UserError(f"the model's tokenizer is incomplete: GGUF metadata has no '{key}'")
+    return md[key]
+
+
+def _optional_id(md, key, n_tokens):
+    """A token id from the metadata, or None when absent or out of range."""
+    value = md.get(key)
+    if value is None:
+        return None
+    value = int(value)
+    return value if 0 <= value < n_tokens else None
+
+
+def _token_types(md, n_tokens):
+    types = md.get("tokenizer.ggml.token_type")
+    if types is None:
+        return [TokenType.NORMAL] * n_tokens
+    if len(types) != n_tokens:
+        raise UserError(f"the model's tokenizer is inconsistent: {len(types)} token types "
+                        f"for {n_tokens} tokens")
+    return [int(t) for t in types]
+
+
+# ---------------------------------------------------------------------------
+# The merge engines (one HF `tokenizers` pipeline per vocabulary kind)
+# ---------------------------------------------------------------------------
+
+def _split_merge(merge):
+    # The separator is the first space after the first character: a merge's
+    # left side may itself be a lone space in non-byte-level vocabularies.
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise UserError(f"the model's tokenizer has a malformed merge rule: {merge!r}")
+    return merge[:cut], merge[cut + 1:]
+
+
+def _vocab_dict(tokens):
+    # Like llama.cpp, a repeated token text maps to its last id.
+    return {text: token_id for token_id, text in enumerate(tokens)}
+
+
+def _byte_level_bpe_engine(tokens, merges, regex_set):
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=[_split_merge(m) for m in merges],
+                       ignore_merges=regex_set in _WHOLE_WORD_FIRST)
+    engine = _HfTokenizer(model)
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+              for pattern in _PRE_TOKENIZER_REGEXES[regex_set]]
+    engine.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return engine
+
+
+def _sentencepiece_merges(tokens, scores):
+    """BPE merge rules equivalent to SentencePiece's "merge the best-scoring pair".
+
+    Every way of cutting a token into two tokens is a merge; merges that make a
+    higher-scoring token come first, which is the order SentencePiece applies them.
+    """
+    ids = _vocab_dict(tokens)
+    ranked = []
+    for text, token_id in ids.items():
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[token_id], token_id, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _sentencepiece_engine(tokens, scores, unknown_id):
+    unknown = tokens[unknown_id] if unknown_id is not None else None
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=_sentencepiece_merges(tokens, scores),
+                       unk_token=unknown, byte_fallback=True, fuse_unk=False)
+    # No pre-tokenizer: SentencePiece merges across the whole fragment.
+    return _HfTokenizer(model)
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+class Tokenizer:
+    """Encodes text to token ids and back, for one model's vocabulary."""
+
+    def __init__(self, *, tokens, token_types, engine, kind, bos_id, eos_id, eog_ids,
+                 add_bos, add_eos, add_space_prefix=False):
+        self._tokens = tokens
+        self._types = token_types
+        self._engine = engine
+        self._kind = kind
+        self._bos_id = bos_id
+        self._eos_id = eos_id
+        self._eog_ids = frozenset(eog_ids)
+        self._add_bos = add_bos and bos_id is not None
+        self._add_eos = add_eos and eos_id is not None
+        self._add_space_prefix = add_space_prefix
+        self._piece_bytes = [self._bytes_of(token_id) for token_id in range(len(tokens))]
+        self._special_texts = self._texts_split_before_merging()
+
+    # -- construction --------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, md):
+        """Build from GGUF metadata keyed by full key names ("tokenizer.ggml.tokens", ...)."""
+        kind = _required(md, "tokenizer.ggml.model")
+        tokens = [str(t) for t in _required(md, "tokenizer.ggml.tokens")]
+        n_tokens = len(tokens)
+        token_types = _token_types(md, n_tokens)
+        for token_id, text in enumerate(tokens):
+            if text in _END_OF_GENERATION_TEXTS:
+                token_types[token_id] = TokenType.CONTROL
+
+        if kind == "gpt2":
+            pre = md.get("tokenizer.ggml.pre", "default")
+            regex_set = _PRE_TOKENIZER_NAMES.get(pre)
+            if regex_set is None:
+                known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
+                raise UserError(f"unsupported pre-tokenizer '{pre}' (tokenizer.ggml.pre); "
+                                f"supported: {known}")
+            merges = _required(md, "tokenizer.ggml.merges")
+            engine = _byte_level_bpe_engine(tokens, merges, regex_set)
+            default_add_bos = regex_set in _ADDS_BOS_BY_DEFAULT
+            add_space_prefix = False
+        elif kind == "llama":
+            scores = [float(s) for s in _required(md, "tokenizer.ggml.scores")]
+            unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", n_tokens)
+            engine = _sentencepiece_engine(tokens, scores, unknown_id)
+            default_add_bos = True
+            add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise UserError(f"unsupported tokenizer model '{kind}' (tokenizer.ggml.model); "
+                            "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+
+        bos_id = _optional_id(md, "tokenizer.ggml.bos_token_id", n_tokens)
+        eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
+        eog_ids = {token_id for token_id, text in enumerate(tokens)
+                   if text in _END_OF_GENERATION_TEXTS}
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                    "tokenizer.ggml.eom_token_id"):
+            token_id = _optional_id(md, key, n_tokens)
+            if token_id is not None:
+                eog_ids.add(token_id)
+        return cls(tokens=tokens, token_types=token_types, engine=engine, kind=kind,
+                   bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
+                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+                   add_space_prefix=add_space_prefix)
+
+    def _bytes_of(self, token_id):
+        """What a token contributes to decoded text (control tokens included)."""
+        text, kind = self._tokens[token_id], self._types[token_id]
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+            return text.encode("utf-8")
+        if kind == TokenType.UNUSED:
+            return b""
+        if kind == TokenType.BYTE:
+            return bytes([int(text[3:-1], 16)])
+        if self._kind == "llama":
+            return text.replace("▁", " ").encode("utf-8")
+        stand_ins = text.translate(_CHAR_TO_BYTE)
+        try:
+            return stand_ins.encode("latin-1")
+        except UnicodeEncodeError:  # not a byte-level token after all: keep its text
+            return text.encode("utf-8")
+
+    def _texts_split_before_merging(self):
+        """(text, id, is_control) of the tokens matched whole in raw text, longest first."""
+        found = [(text, token_id, self._types[token_id] != TokenType.USER_DEFINED)
+                 for token_id, text in enumerate(self._tokens)
+                 if text and self._types[token_id] in
+                 (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)]
+        found.sort(key=lambda entry: -len(entry[0].encode("utf-8")))
+        return found
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def bos_id(self):
+        """Beginning-of-sequence id, or None when the vocabulary has none."""
+        return self._bos_id
+
+    @property
+    def eos_id(self):
+        """End-of-sequence id, or None when the vocabulary has none."""
+        return self._eos_id
+
+    @property
+    def eog_ids(self):
+        """Every id that ends generation: EOS and the end-of-turn tokens."""
+        return self._eog_ids
+
+    @property
+    def vocab_size(self):
+        return len(self._tokens)
+
+    def token_text(self, token_id):
+        """The token as the vocabulary spells it (e.g. "Ġhello", "<|im_end|>")."""
+        return self._tokens[token_id]
+
+    def token_bytes(self, token_id):
+        """The bytes the token decodes to."""
+        return self._piece_bytes[token_id]
+
+    def is_special(self, token_id):
+        """True for control tokens (BOS, EOS, <|im_start|>, ...), which skip_special drops."""
+        return self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+
+    # -- encoding ------------------------------------------------------------
+
+    def encode(self, text, add_special=True, parse_special=True):
+        """Token ids of `text`.
+
+        add_special: add BOS/EOS where the model asks for them (add_bos_token, add_eos_token).
+        parse_special: text such as "<|im_start|>" becomes its control token; when False
+        it is encoded as ordinary text. User-defined tokens are always matched whole.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, not {type(text).__name__}")
+        ids = []
+        if add_special and self._add_bos:
+            ids.append(self._bos_id)
+        after_special = True
+        for fragment in self._split_special(text, parse_special):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+                after_special = True
+            else:
+                ids.extend(self._encode_fragment(fragment, after_special))
+                after_special = False
+        if add_special and self._add_eos:
+            ids.append(self._eos_id)
+        return ids
+
+    def _split_special(self, text, parse_special):
+        """Text cut into raw strings and whole-token ids.
+
+        Longer token texts are cut out first, over the whole text, as llama.cpp does.
+        """
+        fragments = [text] if text else []
+        for token_text, token_id, is_control in self._special_texts:
+            if is_control and not parse_special:
+                continue
+            if token_text not in text:
+                continue
+            fragments = [piece for fragment in fragments
+                         for piece in _cut_out(fragment, token_text, token_id)]
+        return fragments
+
+    def _encode_fragment(self, fragment, after_special):
+        if self._kind == "llama":
+            if self._add_space_prefix and after_special:
+                fragment = " " + fragment
+            fragment = fragment.replace(" ", "▁")
+        return self._engine.encode(fragment, add_special_tokens=False).ids
+
+    # -- decoding ------------------------------------------------------------
+
+    def decode(self, ids, skip_special=False):
+        """Text of `ids`; invalid UTF-8 (a character cut between ids) becomes U+FFFD."""
+        pieces = [self._piece_bytes[token_id] for token_id in ids
+                  if not (skip_special and self.is_special(token_id))]
+        if pieces and self._strips_prefix_space(ids, skip_special):
+            pieces[0] = pieces[0][1:]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def _strips_prefix_space(self, ids, skip_special):
+        """SentencePiece encoding put a space before the text; decoding takes it off."""
+        if not self._add_space_prefix:
+            return False
+        first = next((token_id for token_id in ids
+                      if not (skip_special and self.is_special(token_id))), None)
+        return (first is not None and not self.is_special(first)
+                and self._piece_bytes[first].startswith(b" "))
+
+    def streaming_decoder(self, skip_special=False):
+        """A decoder fed one id at a time that only ever returns whole characters."""
+        return StreamingDecoder(self, skip_special)
+
+
+def _cut_out(fragment, token_text, token_id):
+    """`fragment` with every occurrence of `token_text` replaced by `token_id`."""
+    if not isinstance(fragment, str) or token_text not in fragment:
+        return [fragment]
+    pieces = []
+    for i, raw in enumerate(fragment.split(token_text)):
+        if i:
+            pieces.append(token_id)
+        if raw:
+            pieces.append(raw)
+    return pieces
+
+
+class StreamingDecoder:
+    """Turns generated ids into text as they arrive.
+
+    A character can span several byte-level tokens; the bytes of an unfinished
+    character are held back until the ids that complete it arrive.
+    """
+
+    def __init__(self, tokenizer, skip_special=False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at_start = True
+
+    def feed(self, token_id):
+        """The text completed by this id ("" while a character is unfinished)."""
+        tokenizer = self._tokenizer
+        if self._skip_special and tokenizer.is_special(token_id):
+            return ""
+        piece = tokenizer.token_bytes(token_id)
+        if self._at_start and tokenizer._strips_prefix_space([token_id], self._skip_special):
+            piece = piece[1:]
+        self._at_start = False
+        return self._utf8.decode(piece)
+
+    def flush(self):
+        """Whatever is left at the end; an unfinished character becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,261 @@
+"""Tokenizer tests: ids compared exactly with llama.cpp's, recorded in tests/fixtures
+by tools/record_tokenizer_fixtures.py; round trips fuzzed with hypothesis."""
+import json
+import os
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from llambda.errors import UserError
+from llambda.tokenizer import Tokenizer, TokenType
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def tokenizer_metadata(gguf_path):
+    """The tokenizer.* keys of a GGUF file as plain Python values."""
+    from gguf import GGUFReader
+    reader = GGUFReader(gguf_path)
+    return {key: field.contents() for key, field in reader.fields.items()
+            if key.startswith("tokenizer.")}
+
+
+def load_fixture(name):
+    with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def smollm_md(default_gguf):
+    return tokenizer_metadata(default_gguf)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_md):
+    return Tokenizer.from_gguf_metadata(smollm_md)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return load_fixture("smollm2_tokens.json")
+
+
+def relabelled(md, variant):
+    out = {key: value for key, value in md.items() if key not in variant["removed"]}
+    out.update(variant["overrides"])
+    return out
+
+
+def mismatches(tokenizer, texts, expected, flag):
+    """(text, ours, llama.cpp's) for every text whose ids differ."""
+    found = []
+    for text, reference in zip(texts, expected):
+        ours = tokenizer.encode(text, add_special=flag, parse_special=flag)
+        if ours != reference:
+            found.append((text, ours, reference))
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Against llama.cpp
+# ---------------------------------------------------------------------------
+
+def test_fixture_matches_the_default_model(tok, recorded):
+    import hashlib
+    tokens = [tok.token_text(i) for i in range(tok.vocab_size)]
+    digest = hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+    assert digest == recorded["vocab_sha256"], "fixture recorded from another vocabulary"
+
+
+@pytest.mark.parametrize("variant", ["smollm", "gpt-2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("flag", [True, False], ids=["special", "plain"])
+def test_byte_level_ids_equal_llama_cpp(smollm_md, recorded, variant, flag):
+    # The default model's vocabulary under each pre-tokenizer: the ids llama.cpp
+    # produced for the same (relabelled) vocabulary, compared exactly.
+    spec = recorded["variants"][variant]
+    tokenizer = Tokenizer.from_gguf_metadata(relabelled(smollm_md, spec))
+    expected = spec["ids"]["special" if flag else "plain"]
+    assert mismatches(tokenizer, recorded["texts"], expected, flag) == []
+
+
+@pytest.fixture(scope="module")
+def spm_recorded():
+    return load_fixture("sentencepiece_tokens.json")
+
+
+@pytest.fixture(scope="module")
+def spm_tok(spm_recorded):
+    return Tokenizer.from_gguf_metadata(sentencepiece_md(spm_recorded))
+
+
+def sentencepiece_md(fixture):
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": fixture["tokens"],
+        "tokenizer.ggml.scores": fixture["scores"],
+        "tokenizer.ggml.token_type": fixture["token_types"],
+        "tokenizer.ggml.bos_token_id": fixture["bos_token_id"],
+        "tokenizer.ggml.eos_token_id": fixture["eos_token_id"],
+        "tokenizer.ggml.unknown_token_id": fixture["unknown_token_id"],
+    }
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["special", "plain"])
+def test_sentencepiece_ids_equal_llama_cpp(spm_tok, spm_recorded, flag):
+    expected = spm_recorded["ids"]["special" if flag else "plain"]
+    assert mismatches(spm_tok, spm_recorded["texts"], expected, flag) == []
+
+
+# ---------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def missing_bytes(tok):
+    """Bytes the default vocabulary has no token for (bytes that never occurred in
+    its training text, such as 0xF5..0xFF); llama.cpp drops them too."""
+    single_bytes = {tok.token_bytes(i) for i in range(tok.vocab_size)}
+    return {b for b in range(256) if bytes([b]) not in single_bytes}
+
+
+def representable(missing_bytes, text):
+    return not missing_bytes.intersection(text.encode("utf-8"))
+
+
+@given(st.text(max_size=80))
+def test_decode_inverts_encode(tok, missing_bytes, text):
+    assume(representable(missing_bytes, text))
+    assert tok.decode(tok.encode(text, add_special=False, parse_special=False)) == text
+    assert tok.decode(tok.encode(text)) == text
+
+
+@given(st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "user", "\n", " ", "é", "😀",
+                                 "12", "<|im_", "end|>"]), max_size=12))
+def test_decode_inverts_encode_around_special_tokens(tok, parts):
+    text = "".join(parts)
+    assert tok.decode(tok.encode(text)) == text
+
+
+@given(st.text(max_size=60))
+def test_sentencepiece_decode_inverts_encode(spm_tok, text):
+    ids = spm_tok.encode(text, add_special=False, parse_special=False)
+    assert spm_tok.decode(ids) == text
+    assert spm_tok.decode(spm_tok.encode(text, parse_special=False), skip_special=True) == text
+
+
+@given(st.text(max_size=60))
+def test_streaming_decoder_yields_whole_characters(tok, missing_bytes, text):
+    assume(representable(missing_bytes, text))
+    ids = tok.encode(text, add_special=False, parse_special=False)
+    decoder = tok.streaming_decoder()
+    pieces = [decoder.feed(token_id) for token_id in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert all("\ufffd" not in piece for piece in pieces) or "\ufffd" in text
+
+
+def test_streaming_decoder_holds_back_a_split_character(tok):
+    ids = tok.encode("👨‍👩‍👧", add_special=False)
+    assert len(ids) > 3  # byte pieces of the emoji, not whole characters
+    decoder = tok.streaming_decoder()
+    pieces = [decoder.feed(token_id) for token_id in ids]
+    assert "" in pieces
+    assert "".join(pieces) == "👨‍👩‍👧"
+    assert decoder.flush() == ""
+
+
+def test_streaming_decoder_flushes_an_unfinished_character(tok):
+    ids = tok.encode("😀", add_special=False)
+    decoder = tok.streaming_decoder()
+    assert decoder.feed(ids[0]) == ""
+    assert decoder.flush() == "\ufffd"
+
+
+def test_sentencepiece_streaming_strips_the_added_space(spm_tok):
+    ids = spm_tok.encode("Hello world")
+    decoder = spm_tok.streaming_decoder(skip_special=True)
+    assert "".join(decoder.feed(i) for i in ids) + decoder.flush() == "Hello world"
+
+
+# ---------------------------------------------------------------------------
+# Special tokens and flags
+# ---------------------------------------------------------------------------
+
+def test_default_model_ids_and_flags(tok):
+    assert tok.vocab_size == 49152
+    assert tok.bos_id == 1 and tok.token_text(tok.bos_id) == "<|im_start|>"
+    assert tok.eos_id == 2 and tok.token_text(tok.eos_id) == "<|im_end|>"
+    assert tok.eog_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    assert tok.encode("") == []  # the model does not ask for BOS
+
+
+def test_parse_special_controls_special_tokens(tok):
+    assert tok.encode("<|im_start|>user") == [1, 4093]
+    plain = tok.encode("<|im_start|>user", parse_special=False)
+    assert 1 not in plain
+    assert tok.decode(plain) == "<|im_start|>user"
+
+
+def test_skip_special_drops_control_tokens(tok):
+    ids = tok.encode("<|im_start|>assistant\nHi<|im_end|>")
+    assert tok.decode(ids) == "<|im_start|>assistant\nHi<|im_end|>"
+    assert tok.decode(ids, skip_special=True) == "assistant\nHi"
+
+
+def test_add_bos_and_add_eos_are_honoured(smollm_md):
+    md = dict(smollm_md, **{"tokenizer.ggml.add_bos_token": True,
+                            "tokenizer.ggml.add_eos_token": True})
+    tokenizer = Tokenizer.from_gguf_metadata(md)
+    ids = tokenizer.encode("Hi")
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.encode("Hi", add_special=False) == ids[1:-1]
+
+
+def test_user_defined_tokens_are_matched_even_without_parse_special(smollm_md):
+    types = list(smollm_md["tokenizer.ggml.token_type"])
+    types[5] = TokenType.USER_DEFINED  # <file_sep>
+    tokenizer = Tokenizer.from_gguf_metadata(dict(smollm_md, **{"tokenizer.ggml.token_type": types}))
+    assert tokenizer.encode("a<file_sep>b", parse_special=False)[1] == 5
+    assert tokenizer.decode([5], skip_special=True) == "<file_sep>"
+
+
+def test_eog_includes_end_of_turn_tokens_by_text(smollm_md):
+    tokens = list(smollm_md["tokenizer.ggml.tokens"])
+    tokens[7] = "<|eot_id|>"
+    tokenizer = Tokenizer.from_gguf_metadata(dict(smollm_md, **{"tokenizer.ggml.tokens": tokens}))
+    assert 7 in tokenizer.eog_ids
+
+
+def test_encoding_is_fast_enough_for_long_prompts(tok):
+    # No wall-clock assertion (shared machine); this keeps the long path exercised.
+    text = "The quick brown fox, 123 jumps! 日本語 😀\n" * 400
+    ids = tok.encode(text)
+    assert len(ids) > 4000
+    assert tok.decode(ids) == text
+
+
+# ---------------------------------------------------------------------------
+# Bad metadata
+# ---------------------------------------------------------------------------
+
+def test_unknown_pre_tokenizer_is_a_user_error_naming_it(smollm_md):
+    with pytest.raises(UserError, match="'klingon'"):
+        Tokenizer.from_gguf_metadata(dict(smollm_md, **{"tokenizer.ggml.pre": "klingon"}))
+
+
+def test_unknown_tokenizer_model_is_a_user_error(smollm_md):
+    with pytest.raises(UserError, match="'bert'"):
+        Tokenizer.from_gguf_metadata(dict(smollm_md, **{"tokenizer.ggml.model": "bert"}))
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.model", "tokenizer.ggml.tokens",
+                                 "tokenizer.ggml.merges"])
+def test_missing_key_is_a_user_error_naming_it(smollm_md, key):
+    md = {k: v for k, v in smollm_md.items() if k != key}
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        Tokenizer.from_gguf_metadata(md)
+
+
+def test_encode_rejects_bytes(tok):
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")

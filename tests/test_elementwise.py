@@ -1,22 +1,178 @@
+"""Elementwise and row-wise kernels against their numpy references.
+
+Each property draws an awkward length (1, 7, 8, 9, 17, up to a few thousand),
+values mixing zeros, negatives, tiny and huge magnitudes, and whether to run in
+place; outputs start as NaN so an unwritten element fails.
+"""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 from helpers import nan_buffer, sizes, float_arrays
 from llambda.runtime import buffers
+from llambda.runtime.ref.elementwise import rope_partner
 
+LARGE = 3000
+ROW_SCALES = [0.0, 1e-30, 1e-3, 1.0, 30.0, 1e4, 1e30]      # 0.0: an all-zero row
+
+
+def output_for(data, like):
+    """A NaN-filled output, or (drawn) ``like`` itself to run the kernel in place."""
+    if data.draw(st.booleans(), label="in_place"):
+        return like
+    return nan_buffer(like.shape)
+
+
+def rows_with_scales(data, m, n, scales):
+    """[m, n] values, each row at its own drawn scale: one batch mixes huge, tiny and zero rows."""
+    x = buffers.empty((m, n))
+    for row in range(m):
+        x[row] = float_arrays(data.draw, (n,), scale=data.draw(st.sampled_from(scales)))
+    return x
+
+
+# --------------------------------------------------------------------------- add, scale
 
 @given(st.data(), sizes(8, 5000))
 def test_add_matches_reference(native, ref, data, n):
     a = float_arrays(data.draw, (n,))
     b = float_arrays(data.draw, (n,))
-    got, want = nan_buffer(n), nan_buffer(n)
-    native.add(a, b, got)
+    want = nan_buffer(n)
     ref.add(a, b, want)
+    got = output_for(data, a)
+    native.add(a, b, got)
     np.testing.assert_array_equal(got, want)   # one IEEE add: exact
 
 
-def test_add_rejects_bad_arguments(native):
+@given(st.data(), sizes(8, 5000),
+       st.one_of(st.sampled_from([0.0, -1.0, 0.125, 1e-30, 3e30]), st.floats(-1e4, 1e4, width=32)))
+def test_scale_matches_reference(native, ref, data, n, s):
+    x = float_arrays(data.draw, (n,))
+    want = nan_buffer(n)
+    ref.scale(x, s, want)
+    got = output_for(data, x)
+    native.scale(x, s, got)
+    np.testing.assert_array_equal(got, want)   # one IEEE multiply by float32(s): exact
+
+
+# --------------------------------------------------------------------------- SiLU * up
+
+@given(st.data(), sizes(8, LARGE))
+def test_silu_mul_matches_reference(native, ref, data, n):
+    gate = float_arrays(data.draw, (n,), scale=data.draw(st.sampled_from([1e-3, 1.0, 10.0, 100.0, 1e4, 1e30])))
+    up = float_arrays(data.draw, (n,))
+    want = nan_buffer(n)
+    ref.silu_mul(gate, up, want)
+    got = output_for(data, data.draw(st.sampled_from([gate, up])))
+    native.silu_mul(gate, up, got)
+    # exp < 1 ulp, then +1, divide, multiply (0.5 ulp each): < 3 ulp = 3.6e-7 relative.
+    # atol: gate < -88.7 makes exp(-gate) inf and the result -0, where the truth is
+    # below |gate| * 3e-39 * |up|.
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+@given(st.data(), st.integers(1, 4), sizes(8, LARGE), st.sampled_from([1e-6, 1e-5, 1.0]))
+def test_rmsnorm_matches_reference(native, ref, data, m, d, eps):
+    x = rows_with_scales(data, m, d, ROW_SCALES)
+    w = float_arrays(data.draw, (d,), scale=data.draw(st.sampled_from([1e-3, 1.0, 30.0])))
+    want = nan_buffer((m, d))
+    ref.rmsnorm(x, w, eps, want)
+    got = output_for(data, x)
+    native.rmsnorm(x, w, eps, got)
+    # The f32 sum of squares over 32 lanes errs by at most (d/32 + 5) * 2^-24
+    # (5.6e-6 at d = 3000, positive terms only), halved by the square root, plus
+    # three roundings: rtol 1e-5. Rows of 1e30 or 1e-30 take the f64 path.
+    # atol: outputs of tiny rows times small weights may be subnormal.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-37)
+
+
+def test_rmsnorm_huge_and_tiny_rows_normalise_like_ordinary_ones(native):
+    base = np.linspace(-1.0, 1.0, 19, dtype=np.float32)
+    # 1e-18: squares underflow f32's sum; 1e30, 3e38: squares overflow it
+    x = buffers.aligned_copy(np.stack([base, base * 1e30, base * 1e-18, base * 3e38]))
+    w = buffers.full(19, 1.0)
+    out = nan_buffer(x.shape)
+    native.rmsnorm(x, w, 1e-45, out)            # eps negligible even for the 1e-18 row
+    for row in out:
+        np.testing.assert_allclose(row, out[0], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- softmax
+
+@given(st.data(), st.integers(1, 4), sizes(8, LARGE))
+def test_softmax_matches_reference(native, ref, data, m, n):
+    x = rows_with_scales(data, m, n, ROW_SCALES[1:])
+    if data.draw(st.booleans(), label="some -inf"):
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        holes = rng.random((m, n)) < 0.3
+        holes[np.arange(m), rng.integers(0, n, m)] = False       # keep one finite entry per row
+        x[holes] = -np.inf
+    want = nan_buffer((m, n))
+    ref.softmax(x, want)
+    got = output_for(data, x)
+    native.softmax(x, got)
+    # x - max is rounded to f32: up to 87 * 2^-24 = 5.2e-6 relative in exp; exp < 1 ulp;
+    # the sum and 1/sum add ~1e-6: rtol 1e-5. atol: results below exp(-87) flush to 0.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-37)
+    assert np.all(got[~np.isfinite(x)] == 0)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+HEAD_DIMS = st.one_of(st.sampled_from([2, 4, 6, 8, 10, 14, 16, 18, 34, 64, 128]),
+                      st.integers(1, 128).map(lambda k: 2 * k))
+
+
+@given(st.data(), st.sampled_from(["pairs", "halves"]), st.integers(1, 5), st.integers(1, 4), HEAD_DIMS,
+       st.integers(1, 64), st.sampled_from([10000.0, 500000.0]))
+def test_rope_matches_reference(native, ref, data, style, m, n_heads, head_dim, n_ctx, base):
+    cos, sin = ref.rope_tables(n_ctx, head_dim, base, style)
+    x = float_arrays(data.draw, (m, n_heads, head_dim))
+    positions = buffers.aligned_copy(data.draw(st.lists(st.integers(0, n_ctx - 1), min_size=m, max_size=m)),
+                                     np.int32)
+    want = nan_buffer(x.shape)
+    ref.rope(x, positions, cos, sin, style, want)
+    partner_size = np.abs(x) + np.abs(rope_partner(x, style))
+    got = output_for(data, x)
+    native.rope(x, positions, cos, sin, style, got)
+    # two products and an FMA: a few ulp of |x| + |partner|, wherever the angle puts the result
+    assert np.all(np.abs(got - want) <= 1e-6 * partner_size)
+
+
+@pytest.mark.parametrize("style", ["pairs", "halves"])
+def test_rope_tables_rotate_like_complex_numbers(native, ref, style):
+    """The table convention, checked against the rotation itself: pair (a, b) as a + ib,
+    turned by theta_i = pos * base^(-2i/head_dim)."""
+    n_ctx, head_dim, base = 40, 12, 10000.0
+    cos, sin = native.rope_tables(n_ctx, head_dim, base, style)
+    assert cos.dtype == sin.dtype == np.float32 and cos.shape == sin.shape == (n_ctx, head_dim)
+    assert buffers.is_aligned(cos) and buffers.is_aligned(sin)
+    rng = np.random.default_rng(0)
+    x = buffers.aligned_copy(rng.standard_normal((n_ctx, 3, head_dim)), np.float32)
+    positions = buffers.aligned_copy(np.arange(n_ctx), np.int32)
+    got = nan_buffer(x.shape)
+    native.rope(x, positions, cos, sin, style, got)
+
+    half = head_dim // 2
+    if style == "pairs":
+        first, second = np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)   # llama.cpp LLaMA
+    else:
+        first, second = np.arange(half), np.arange(half, head_dim)             # NeoX / HF
+    theta = np.arange(n_ctx)[:, None] * base ** (-2.0 * np.arange(half) / head_dim)
+    z = (x[..., first] + 1j * x[..., second].astype(np.float64)) * np.exp(1j * theta)[:, None, :]
+    np.testing.assert_allclose(got[..., first], z.real, atol=2e-6)
+    np.testing.assert_allclose(got[..., second], z.imag, atol=2e-6)
+
+
+def test_both_backends_export_the_same_rope_tables(native, ref):
+    assert native.rope_tables is ref.rope_tables
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+def test_elementwise_reject_bad_arguments(native):
     a = buffers.zeros(16)
     out = buffers.zeros(16)
     with pytest.raises(ValueError, match="b: expected dtype float32"):
@@ -27,3 +183,81 @@ def test_add_rejects_bad_arguments(native):
         native.add(buffers.zeros(17)[1:], buffers.zeros(16), out)
     with pytest.raises(ValueError, match="b: array must be C-contiguous"):
         native.add(a, buffers.zeros(32)[::2], out)
+    with pytest.raises(ValueError, match="s: expected a finite number"):
+        native.scale(a, float("nan"), out)
+    with pytest.raises(ValueError, match="s: expected a number"):
+        native.scale(a, None, out)
+    read_only = buffers.zeros(16)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out: array is read-only"):
+        native.silu_mul(a, a, read_only)
+    shared = buffers.zeros(24)
+    with pytest.raises(ValueError, match="out: overlaps gate"):
+        native.silu_mul(shared[:16], a, shared[8:])
+    with pytest.raises(ValueError, match="up: expected shape"):
+        native.silu_mul(a, buffers.zeros((2, 8)), out)
+    assert_still_working(native)
+
+
+def test_row_kernels_reject_bad_arguments(native):
+    x = buffers.zeros((2, 16))
+    w = buffers.zeros(16)
+    out = buffers.zeros((2, 16))
+    with pytest.raises(ValueError, match="w: expected shape"):
+        native.rmsnorm(x, buffers.zeros(15), 1e-5, out)
+    with pytest.raises(ValueError, match="eps: expected a number > 0"):
+        native.rmsnorm(x, w, 0.0, out)
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        native.rmsnorm(x, w, float("inf"), out)
+    with pytest.raises(ValueError, match="out: overlaps w"):
+        native.rmsnorm(buffers.zeros((1, 16)), w, 1e-5, w.reshape(1, 16))
+    with pytest.raises(ValueError, match="x: array is empty"):
+        native.softmax(buffers.zeros((2, 0)), buffers.zeros((2, 0)))
+    with pytest.raises(ValueError, match="x: expected at least one dimension"):
+        native.softmax(buffers.zeros(()), buffers.zeros(()))
+    with pytest.raises(ValueError, match="x: array must be C-contiguous"):
+        native.softmax(buffers.zeros((16, 2)).T, out)
+    flat = buffers.zeros(24)
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        native.softmax(flat[:16].reshape(2, 8), flat[8:].reshape(2, 8))
+    assert_still_working(native)
+
+
+def test_rope_rejects_bad_arguments(native, ref):
+    cos, sin = ref.rope_tables(8, 4, 10000.0, "pairs")
+    x = buffers.zeros((2, 3, 4))
+    positions = buffers.aligned_copy([0, 7], np.int32)
+    with pytest.raises(ValueError, match="style: expected one of"):
+        native.rope(x, positions, cos, sin, "interleaved", x)
+    with pytest.raises(ValueError, match="x: expected 3 dimensions"):
+        native.rope(buffers.zeros((2, 12)), positions, cos, sin, "pairs", buffers.zeros((2, 12)))
+    with pytest.raises(ValueError, match="head_dim .* must be even"):
+        native.rope(buffers.zeros((2, 3, 5)), positions, cos, sin, "pairs", buffers.zeros((2, 3, 5)))
+    with pytest.raises(ValueError, match="positions: expected dtype int32"):
+        native.rope(x, buffers.aligned_copy([0, 7], np.int64), cos, sin, "pairs", x)
+    with pytest.raises(ValueError, match="positions: expected shape"):
+        native.rope(x, buffers.aligned_copy([0, 1, 2], np.int32), cos, sin, "pairs", x)
+    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 8\)"):
+        native.rope(x, buffers.aligned_copy([0, 8], np.int32), cos, sin, "pairs", x)
+    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 8\)"):
+        native.rope(x, buffers.aligned_copy([-1, 0], np.int32), cos, sin, "pairs", x)
+    with pytest.raises(ValueError, match="cos: expected shape"):
+        native.rope(x, positions, ref.rope_tables(8, 6, 10000.0, "pairs")[0], sin, "pairs", x)
+    with pytest.raises(ValueError, match="sin: expected shape"):
+        native.rope(x, positions, cos, sin[:4], "pairs", x)
+    with pytest.raises(ValueError, match="out: overlaps cos"):
+        native.rope(x, positions, cos, sin, "pairs", cos[:6].reshape(2, 3, 4))
+    with pytest.raises(ValueError, match="style: expected one of"):
+        ref.rope_tables(8, 4, 10000.0, "neox")
+    with pytest.raises(ValueError, match="head_dim: expected an even number"):
+        ref.rope_tables(8, 5, 10000.0, "halves")
+    assert_still_working(native)
+
+
+def assert_still_working(native):
+    """After refusing bad calls, the library still computes."""
+    x = buffers.aligned_copy(np.arange(10, dtype=np.float32).reshape(1, 10))
+    out = nan_buffer(x.shape)
+    native.softmax(x, out)
+    e = np.exp(np.arange(10) - 9.0)
+    np.testing.assert_allclose(out[0], e / e.sum(), rtol=1e-5)

@@ -24,11 +24,11 @@ __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
-# Llama-like shapes. 1.1b is TinyLlama's; 0.5b is a Llama-shaped model of about
-# half a billion parameters (Qwen2.5-0.5B's widths without its biases).
+# Llama-like shapes. 1.1b is TinyLlama's; 0.5b is a Llama-shaped model of 0.52
+# billion parameters (64-wide heads, 4:1 grouped-query attention).
 PRESETS = {
     "tiny": dict(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=320),
-    "0.5b": dict(n_layer=24, dim=896, n_head=14, n_kv_head=2, ffn_dim=4864, vocab_size=32000),
+    "0.5b": dict(n_layer=32, dim=1024, n_head=16, n_kv_head=4, ffn_dim=4096, vocab_size=32000),
     "1.1b": dict(n_layer=22, dim=2048, n_head=32, n_kv_head=4, ffn_dim=5632, vocab_size=32000),
 }
 

@@ -279,3 +279,40 @@ def test_synth_rejects_bad_shapes(tmp_path, overrides, message):
 
 def test_minimal_tokenizer_fits_tiny_vocab():
     assert minimal_vocab_size() <= min(s["vocab_size"] for s in TINY_SHAPES.values())
+
+
+def load_make_gguf_tool():
+    from pathlib import Path
+    tool = Path(__file__).resolve().parent.parent / "tools" / "make_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gguf", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_gguf_cli_overrides_preset(tmp_path, capsys):
+    make_gguf = load_make_gguf_tool()
+    out = tmp_path / "cli.gguf"
+    assert make_gguf.main(["--preset", "tiny", "--type", "BF16", "--dim", "36", "--n-head", "3",
+                           "--n-kv-head", "1", "--untied", "-o", str(out)]) == 0
+    found = {t.name: (t.tensor_type.name, [int(n) for n in t.shape])
+             for t in gguf.GGUFReader(out).tensors}
+    assert found["output.weight"] == ("BF16", [36, 320])
+    assert make_gguf.main(["--type", "Q4_0", "--dim", "36", "--n-head", "3", "--n-kv-head", "1",
+                           "-o", str(tmp_path / "bad.gguf")]) == 2
+    assert "multiple of 32" in capsys.readouterr().err
+
+
+def test_synth_tokenizer_is_a_working_byte_level_bpe(tiny_model):
+    """The built-in vocabulary, run by the `tokenizers` library: merges apply, bytes round-trip."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    fields = gguf.GGUFReader(tiny_model[0]).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(merge.split(" ")) for merge in fields["tokenizer.ggml.merges"].contents()]
+    tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = "The cat is in the house, and of ünïcode 🦙\n"
+    encoding = tokenizer.encode(text)
+    assert "Ġthe" in encoding.tokens and "Ġand" in encoding.tokens
+    assert tokenizer.decode(encoding.ids) == text

@@ -293,13 +293,51 @@ def sum_squares_f64(row, length, total):
     VADDSD(total, acc.as_xmm, swapped.as_xmm)
 
 
+def sum_squares(row, length):
+    """Sum of squares of a row, as an f64 in the low lane of the returned xmm.
+
+    f32 lanes first; a sum that overflowed (|x| beyond ~1e19), is so small
+    that its squares underflowed, or is NaN is done again in f64."""
+    sum_f32 = sum_squares_f32(row, length)
+    total = XMMRegister()
+    slow, done = Label(), Label()
+    # (Constants are loaded as whole ymm: PeachPy needs one constant size per function.)
+    limit = YMMRegister()
+    VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MAX))
+    VUCOMISS(limit.as_xmm, sum_f32.as_xmm)
+    JBE(slow)                                   # sum >= MAX, or NaN (unordered)
+    VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MIN))
+    VUCOMISS(sum_f32.as_xmm, limit.as_xmm)
+    JB(slow)                                    # sum < MIN (tiny or zero row)
+    VCVTSS2SD(total, sum_f32.as_xmm, sum_f32.as_xmm)
+    JMP(done)
+    LABEL(slow)
+    sum_squares_f64(row, length, total)
+    LABEL(done)
+    return total
+
+
+def inverse_rms(sum_of_squares, d_f64, eps_f64):
+    """1 / sqrt(sum / d + eps) computed in f64 (no overflow for any float row),
+    rounded once to f32 and broadcast to a ymm. Clobbers ``sum_of_squares``."""
+    ss = sum_of_squares
+    VDIVSD(ss, ss, d_f64)
+    VADDSD(ss, ss, eps_f64)
+    VSQRTSD(ss, ss, ss)
+    one = YMMRegister()
+    VMOVAPD(one, Constant.float64x4(1.0))
+    VDIVSD(ss, one.as_xmm, ss)
+    inv_rms = YMMRegister()
+    VCVTSD2SS(inv_rms.as_xmm, ss, ss)
+    VBROADCASTSS(inv_rms, inv_rms.as_xmm)
+    return inv_rms
+
+
 def emit_rmsnorm(isa):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for each of ``rows`` rows of ``d`` floats.
 
-    The sum of squares runs in f32 (fast); if it overflowed, underflowed or is
-    NaN the row is summed again in f64. The scale 1/sqrt(mean + eps) is
-    computed in f64 either way, so huge rows (|x| ~ 1e30) normalise exactly
-    like ordinary ones."""
+    Two passes per row: the sum of squares (``sum_squares``), then the scaled
+    output. Huge rows (|x| ~ 1e30) normalise like ordinary ones."""
     sig = [("x", "const float*"), ("w", "const float*"), ("out", "float*"),
            ("rows", "size_t"), ("d", "size_t"), ("eps", "float")]
     fn, (x_arg, w_arg, out_arg, rows_arg, d_arg, eps_arg) = function(
@@ -316,33 +354,7 @@ def emit_rmsnorm(isa):
         LEA(row_bytes, [d * FLOAT_BYTES])
 
         with Loop() as row_loop:
-            sum_f32 = sum_squares_f32(x_row, d)
-            ss = XMMRegister()
-            slow, have_sum = Label(), Label()
-            # (Constants are loaded as whole ymm: PeachPy needs one constant size per function.)
-            limit = YMMRegister()
-            VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MAX))
-            VUCOMISS(limit.as_xmm, sum_f32.as_xmm)
-            JBE(slow)                                   # sum >= MAX, or NaN (unordered)
-            VMOVAPS(limit, Constant.float32x8(RMS_F32_SUM_MIN))
-            VUCOMISS(sum_f32.as_xmm, limit.as_xmm)
-            JB(slow)                                    # sum < MIN (tiny or zero row)
-            VCVTSS2SD(ss, sum_f32.as_xmm, sum_f32.as_xmm)
-            JMP(have_sum)
-            LABEL(slow)
-            sum_squares_f64(x_row, d, ss)
-            LABEL(have_sum)
-
-            # inv_rms = 1 / sqrt(ss / d + eps), in f64, then rounded once to f32
-            VDIVSD(ss, ss, d_f64)
-            VADDSD(ss, ss, eps)
-            VSQRTSD(ss, ss, ss)
-            inv = YMMRegister()
-            VMOVAPD(inv, Constant.float64x4(1.0))
-            VDIVSD(inv.as_xmm, inv.as_xmm, ss)
-            inv_rms = YMMRegister()
-            VCVTSD2SS(inv_rms.as_xmm, inv.as_xmm, inv.as_xmm)
-            VBROADCASTSS(inv_rms, inv_rms.as_xmm)
+            inv_rms = inverse_rms(sum_squares(x_row, d), d_f64, eps)
 
             def normalize(v):
                 value, weight = YMMRegister(), YMMRegister()

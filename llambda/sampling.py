@@ -1,0 +1,179 @@
+"""Choosing the next token from the model's logits.
+
+The filters run in llama.cpp's default order, so that the same options give the
+same kind of text in both: repetition penalty -> top-k -> top-p -> min-p ->
+temperature -> draw. Top-p and min-p therefore judge the untempered
+distribution; temperature only reshapes what survives them.
+
+Only the top-k candidates are ever sorted (argpartition picks them), or without
+top-k a prefix just long enough for top-p and min-p: a step stays well under a
+millisecond for a 50k vocabulary.
+"""
+import math
+from numbers import Integral, Real
+
+import numpy as np
+
+
+def _check_real(name, value, low, high, low_inclusive, high_inclusive):
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    too_low = value < low if low_inclusive else value <= low
+    too_high = value > high if high_inclusive else value >= high
+    if too_low or too_high:
+        interval = (("[" if low_inclusive else "(") + f"{low}, {high}"
+                    + ("]" if high_inclusive else ")"))
+        raise ValueError(f"{name}: expected a value in {interval}, got {value!r}")
+    return float(value)
+
+
+def _check_count(name, value):
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+class Sampler:
+    """Draws token ids from logits; one instance per generation (it owns the random state).
+
+    temperature: 0 picks the most likely token (greedy); higher flattens the distribution.
+    top_k: keep the k most likely tokens (0 keeps all).
+    top_p: keep the most likely tokens whose probabilities add up to top_p (1 keeps all).
+    min_p: drop tokens less likely than min_p times the most likely one (0 keeps all).
+    repeat_penalty: make the ids among the last repeat_last_n of the history less
+        likely (1 leaves them alone): positive logits are divided by it, negative
+        ones multiplied.
+    seed: the same seed gives the same draws; None draws a fresh seed.
+    """
+
+    def __init__(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                 repeat_last_n=64, seed=None):
+        self.temperature = _check_real("temperature", temperature, 0.0, math.inf, True, False)
+        self.top_k = _check_count("top_k", top_k)
+        self.top_p = _check_real("top_p", top_p, 0.0, 1.0, False, True)
+        self.min_p = _check_real("min_p", min_p, 0.0, 1.0, True, False)
+        self.repeat_penalty = _check_real("repeat_penalty", repeat_penalty, 0.0, math.inf,
+                                          False, False)
+        self.repeat_last_n = _check_count("repeat_last_n", repeat_last_n)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)
+                                 or seed < 0):
+            raise ValueError(f"seed: expected None or an integer >= 0, got {seed!r}")
+        self._rng = np.random.default_rng(seed)
+
+    def sample(self, logits, history=()):
+        """The next token id, given the logits over the vocabulary and the ids so far."""
+        ids, probabilities = self.distribution(logits, history)
+        if ids.size == 1:
+            return int(ids[0])
+        cumulative = np.cumsum(probabilities)
+        u = self._rng.random() * cumulative[-1]
+        pick = min(int(np.searchsorted(cumulative, u, side="right")), ids.size - 1)
+        return int(ids[pick])
+
+    def distribution(self, logits, history=()):
+        """(ids, probabilities) that `sample` draws from: what every filter kept,
+        reweighted by the temperature. Without filters the ids are the whole vocabulary."""
+        logits = _checked_logits(logits)
+        logits = self._penalize_repeats(logits, history)
+        if self.temperature == 0.0:
+            return np.array([np.argmax(logits)]), np.ones(1)
+        if not self._filters_anything(logits.size):
+            return np.arange(logits.size), self._tempered(logits.astype(np.float64))
+        ids, sorted_logits, log_total = self._sorted_candidates(logits)
+        keep = min(self._top_p_count(sorted_logits, log_total), self._min_p_count(sorted_logits))
+        return ids[:keep], self._tempered(sorted_logits[:keep])
+
+    def _filters_anything(self, vocab_size):
+        return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
+
+    def _penalize_repeats(self, logits, history):
+        if self.repeat_penalty == 1.0 or self.repeat_last_n == 0 or len(history) == 0:
+            return logits
+        recent = np.asarray(history[-self.repeat_last_n:], dtype=np.int64)
+        recent = np.unique(recent[(recent >= 0) & (recent < logits.size)])
+        penalized = logits.copy()
+        seen = penalized[recent]
+        penalized[recent] = np.where(seen > 0, seen / self.repeat_penalty,
+                                     seen * self.repeat_penalty)
+        return penalized
+
+    # Top-p and min-p each keep a prefix of the candidates sorted most likely first.
+
+    def _sorted_candidates(self, logits):
+        """(ids, logits) of the candidates most likely first, and log Σ exp(logit) over
+        all candidates (top-p's probabilities are relative to every candidate).
+
+        Without top-k only a prefix long enough for top-p or min-p to stop inside
+        it is sorted: a few hundred ids instead of the whole vocabulary.
+        """
+        if 0 < self.top_k < logits.size:
+            ids = _largest(logits, self.top_k)
+            return (*_sorted_by_logit(ids, logits), _log_sum_exp(logits[ids]))
+        log_total = _log_sum_exp(logits)
+        count = _FIRST_PREFIX
+        while count < logits.size:
+            ids, sorted_logits = _sorted_by_logit(_largest(logits, count), logits)
+            if self._decided_within(sorted_logits, log_total):
+                return ids, sorted_logits, log_total
+            count *= 8
+        return (*_sorted_by_logit(np.arange(logits.size), logits), log_total)
+
+    def _decided_within(self, sorted_logits, log_total):
+        below_min_p = (self.min_p > 0.0
+                       and sorted_logits[-1] < sorted_logits[0] + math.log(self.min_p))
+        reaches_top_p = (self.top_p < 1.0
+                         and np.exp(sorted_logits - log_total).sum() >= self.top_p)
+        return below_min_p or reaches_top_p
+
+    def _top_p_count(self, sorted_logits, log_total):
+        if self.top_p >= 1.0:
+            return sorted_logits.size
+        cumulative = np.cumsum(np.exp(sorted_logits - log_total))
+        # The token that carries the sum over top_p is kept too.
+        return min(int(np.searchsorted(cumulative, self.top_p)) + 1, sorted_logits.size)
+
+    def _min_p_count(self, sorted_logits):
+        if self.min_p <= 0.0:
+            return sorted_logits.size
+        # p_i >= min_p * p_max, compared as logits so nothing needs normalising.
+        floor = sorted_logits[0] + math.log(self.min_p)
+        return max(1, int(np.count_nonzero(sorted_logits >= floor)))
+
+    def _tempered(self, candidate_logits):
+        """Softmax of the logits at the temperature."""
+        scaled = candidate_logits / self.temperature
+        weights = np.exp(scaled - np.max(scaled))
+        return weights / weights.sum()
+
+
+# How many of the most likely ids are sorted first when top-k is off.
+_FIRST_PREFIX = 256
+
+
+def _largest(logits, count):
+    """Ids of the `count` largest logits, in no particular order."""
+    return np.argpartition(logits, logits.size - count)[-count:]
+
+
+def _sorted_by_logit(ids, logits):
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    return ids, logits[ids].astype(np.float64)
+
+
+def _log_sum_exp(x):
+    peak = np.max(x)
+    return float(peak + np.log(np.sum(np.exp(x.astype(np.float64) - peak))))
+
+
+def _checked_logits(logits):
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"logits: expected a non-empty 1-D array, got shape {logits.shape}")
+    if logits.dtype != np.float32:
+        logits = logits.astype(np.float32)
+    # -inf marks a banned token; NaN or +inf mean the forward pass went wrong.
+    if np.isnan(logits).any() or np.isposinf(logits).any():
+        raise ValueError("logits: contain NaN or +inf")
+    if np.isneginf(logits).all():
+        raise ValueError("logits: every token is -inf")
+    return logits

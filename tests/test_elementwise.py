@@ -141,12 +141,21 @@ def test_rope_matches_reference(native, ref, data, style, m, n_heads, head_dim, 
     assert np.all(np.abs(got - want) <= 1e-6 * partner_size)
 
 
-@pytest.mark.parametrize("style", ["pairs", "halves"])
-def test_rope_tables_rotate_like_complex_numbers(native, ref, style):
+ROPE_VARIANTS = [  # style, n_rot, freq_scale, freq_factors
+    ("pairs", None, 1.0, None),
+    ("halves", None, 1.0, None),
+    ("pairs", 8, 1.0, None),                        # partial rotation: lanes 8.. pass through
+    ("pairs", None, 0.25, [1.0, 1.0, 2.0, 4.0, 8.0, 8.0]),   # linear scaling, Llama 3 factors
+]
+
+
+@pytest.mark.parametrize("style, n_rot, freq_scale, freq_factors", ROPE_VARIANTS)
+def test_rope_tables_rotate_like_complex_numbers(native, style, n_rot, freq_scale, freq_factors):
     """The table convention, checked against the rotation itself: pair (a, b) as a + ib,
-    turned by theta_i = pos * base^(-2i/head_dim)."""
+    turned by theta_i = pos * freq_scale * base^(-2i/n_rot) / freq_factors[i]."""
     n_ctx, head_dim, base = 40, 12, 10000.0
-    cos, sin = native.rope_tables(n_ctx, head_dim, base, style)
+    cos, sin = native.rope_tables(n_ctx, head_dim, base, style, n_rot=n_rot, freq_scale=freq_scale,
+                                  freq_factors=freq_factors)
     assert cos.dtype == sin.dtype == np.float32 and cos.shape == sin.shape == (n_ctx, head_dim)
     assert buffers.is_aligned(cos) and buffers.is_aligned(sin)
     rng = np.random.default_rng(0)
@@ -155,15 +164,18 @@ def test_rope_tables_rotate_like_complex_numbers(native, ref, style):
     got = nan_buffer(x.shape)
     native.rope(x, positions, cos, sin, style, got)
 
-    half = head_dim // 2
+    n_rot = n_rot or head_dim
+    half = n_rot // 2
     if style == "pairs":
-        first, second = np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)   # llama.cpp LLaMA
+        first, second = np.arange(0, n_rot, 2), np.arange(1, n_rot, 2)         # llama.cpp LLaMA
     else:
         first, second = np.arange(half), np.arange(half, head_dim)             # NeoX / HF
-    theta = np.arange(n_ctx)[:, None] * base ** (-2.0 * np.arange(half) / head_dim)
+    inv_freq = base ** (-2.0 * np.arange(half) / n_rot) / np.asarray(freq_factors or np.ones(half))
+    theta = (np.arange(n_ctx) * freq_scale)[:, None] * inv_freq
     z = (x[..., first] + 1j * x[..., second].astype(np.float64)) * np.exp(1j * theta)[:, None, :]
     np.testing.assert_allclose(got[..., first], z.real, atol=2e-6)
     np.testing.assert_allclose(got[..., second], z.imag, atol=2e-6)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
 
 
 def test_both_backends_export_the_same_rope_tables(native, ref):
@@ -251,6 +263,12 @@ def test_rope_rejects_bad_arguments(native, ref):
         ref.rope_tables(8, 4, 10000.0, "neox")
     with pytest.raises(ValueError, match="head_dim: expected an even number"):
         ref.rope_tables(8, 5, 10000.0, "halves")
+    with pytest.raises(ValueError, match="n_rot: partial rotation"):
+        ref.rope_tables(8, 8, 10000.0, "halves", n_rot=4)
+    with pytest.raises(ValueError, match="n_rot: expected an even number"):
+        ref.rope_tables(8, 8, 10000.0, "pairs", n_rot=10)
+    with pytest.raises(ValueError, match="freq_factors: expected shape"):
+        ref.rope_tables(8, 8, 10000.0, "pairs", freq_factors=[1.0, 2.0])
     assert_still_working(native)
 
 

@@ -46,29 +46,43 @@ def softmax(x, out):
     out[...] = e / e.sum(axis=-1, keepdims=True)
 
 
-def rope_tables(n_ctx, head_dim, base, style):
+def rope_tables(n_ctx, head_dim, base, style, *, n_rot=None, freq_scale=1.0, freq_factors=None):
     """cos, sin tables [n_ctx, head_dim] (f32, aligned) for ``rope`` in ``style``.
 
-    Rotation i turns by theta_i = pos * base^(-2i/head_dim). The tables carry
-    the signs so that rope is out = x*cos + partner(x)*sin in both styles:
+    Rotation i turns by theta_i = pos * freq_scale * base^(-2i/n_rot) / freq_factors[i]
+    (n_rot defaults to head_dim; freq_scale is linear RoPE scaling; freq_factors,
+    [n_rot/2], are Llama 3's per-frequency divisors). The tables carry the signs
+    so that rope is out = x*cos + partner(x)*sin in both styles:
       pairs  (llama.cpp / GGUF LLaMA): x[2i] with x[2i+1];
              cos = [c0, c0, c1, c1, ...], sin = [-s0, s0, -s1, s1, ...]
       halves (NeoX / Hugging Face): x[i] with x[i + head_dim/2];
-             cos = [c, c], sin = [-s, s]"""
+             cos = [c, c], sin = [-s, s]
+    Lanes from n_rot on (pairs only) have cos 1, sin 0: they pass through."""
     if style not in ROPE_STYLES:
         raise ValueError(f"style: expected one of {ROPE_STYLES}, got {style!r}")
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: expected an even number >= 2, got {head_dim}")
-    half = head_dim // 2
-    inv_freq = float(base) ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
-    theta = np.arange(n_ctx, dtype=np.float64)[:, None] * inv_freq[None, :]
+    n_rot = head_dim if n_rot is None else n_rot
+    if n_rot < 2 or n_rot % 2 or n_rot > head_dim:
+        raise ValueError(f"n_rot: expected an even number in [2, head_dim={head_dim}], got {n_rot}")
+    if style == "halves" and n_rot != head_dim:
+        raise ValueError("n_rot: partial rotation is supported in the 'pairs' style only")
+    half = n_rot // 2
+    inv_freq = float(base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    if freq_factors is not None:
+        freq_factors = np.asarray(freq_factors, dtype=np.float64)
+        if freq_factors.shape != (half,):
+            raise ValueError(f"freq_factors: expected shape ({half},), got {freq_factors.shape}")
+        inv_freq = inv_freq / freq_factors
+    theta = (np.arange(n_ctx, dtype=np.float64) * float(freq_scale))[:, None] * inv_freq[None, :]
     c, s = np.cos(theta), np.sin(theta)
+    cos, sin = np.ones((n_ctx, head_dim)), np.zeros((n_ctx, head_dim))
     if style == "pairs":
-        cos = np.repeat(c, 2, axis=1)
-        sin = np.stack([-s, s], axis=-1).reshape(n_ctx, head_dim)
+        cos[:, :n_rot] = np.repeat(c, 2, axis=1)
+        sin[:, :n_rot] = np.stack([-s, s], axis=-1).reshape(n_ctx, n_rot)
     else:
-        cos = np.concatenate([c, c], axis=1)
-        sin = np.concatenate([-s, s], axis=1)
+        cos[:] = np.concatenate([c, c], axis=1)
+        sin[:] = np.concatenate([-s, s], axis=1)
     return buffers.aligned_copy(cos, np.float32), buffers.aligned_copy(sin, np.float32)
 
 

@@ -1,0 +1,93 @@
+"""Rendering a conversation with the model's own chat template.
+
+GGUF files carry the Jinja template from the model's tokenizer_config.json
+(`tokenizer.chat_template`). Templates are written against Hugging Face's
+renderer, so the environment here offers what theirs does: trim_blocks and
+lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, and a `tojson`
+filter that keeps non-ASCII text as it is. The sandbox keeps a template, which
+comes from a downloaded file, from reaching Python internals or mutating data.
+"""
+import datetime
+import functools
+import json
+from collections.abc import Mapping
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llambda.errors import UserError
+
+
+class _TemplateRaised(Exception):
+    """A template's own raise_exception(message)."""
+
+
+def _raise_exception(message):
+    raise _TemplateRaised(message)
+
+
+def _strftime_now(format_string):
+    return datetime.datetime.now().strftime(format_string)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False):
+    # Jinja's built-in tojson escapes HTML characters and non-ASCII text, which
+    # would change the prompt; templates expect json.dumps' plain output.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template):
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateError as error:
+        raise UserError(f"the chat template does not parse: {_describe(error)}") from None
+
+
+def _describe(error):
+    where = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
+    return f"{error.message or type(error).__name__}{where}"
+
+
+def _check_messages(messages):
+    if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+        raise UserError("messages: expected a list of {'role': ..., 'content': ...} mappings")
+    for i, message in enumerate(messages):
+        if "role" not in message:
+            raise UserError(f"messages[{i}] has no 'role'")
+
+
+def render_chat(template, messages, add_generation_prompt=True, bos_token="", eos_token="",
+                **extra):
+    """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
+
+    add_generation_prompt: end with the header that starts the assistant's turn.
+    bos_token / eos_token: the model's token texts, which many templates write out.
+    extra: more variables for the template (tools=..., documents=..., ...).
+    """
+    if not isinstance(template, str) or not template:
+        raise UserError("the chat template is empty")
+    messages = list(messages)
+    _check_messages(messages)
+    compiled = _compiled(template)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token, eos_token=eos_token, **extra)
+    except _TemplateRaised as error:
+        raise UserError(f"the chat template refused the conversation: {error}") from None
+    except jinja2.TemplateError as error:
+        raise UserError(f"the chat template failed: {_describe(error)}") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as error:
+        # Python errors inside the template's expressions, e.g. str + None content.
+        raise UserError(f"the chat template failed: {type(error).__name__}: {error}") from None

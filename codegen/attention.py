@@ -124,11 +124,14 @@ def reduce_to_scores(accs):
 
 
 def reduce_to_scalar(acc):
+    """Lane 0 = the sum of ``acc``'s lanes, added in the same order as ``reduce_to_scores``:
+    a key's score is then bit-identical whichever tile computed it, so splitting
+    heads between threads does not change any result."""
+    VHADDPS(acc, acc, acc)
+    VHADDPS(acc, acc, acc)
     high = YMMRegister()
     VEXTRACTF128(high.as_xmm, acc, 1)
     VADDPS(acc.as_xmm, acc.as_xmm, high.as_xmm)
-    VHADDPS(acc.as_xmm, acc.as_xmm, acc.as_xmm)
-    VHADDPS(acc.as_xmm, acc.as_xmm, acc.as_xmm)
     return acc.as_xmm
 
 
@@ -305,7 +308,7 @@ def emit_softmax_row(frame, score_row):
         if mask is None:
             VMOVUPS([p], x)
         else:
-            VANDPS(x, x, mask)          # padding lanes must not add exp(-inf - max) ~ 1e-38
+            VANDPS(x, x, mask)          # lanes past n_keys loaded as 0: exp(0 - max) must not count
             VMASKMOVPS([p], mask, x)
         VADDPS(total, total, x)
     for_each_chunk(exp_chunk, exp_chunk)

@@ -1,0 +1,256 @@
+"""The plan executor: one native call per thread runs a whole plan of kernel calls.
+
+    llb_run_plan__avx2(plan, n_ops, tid, n_threads, sync)
+
+``plan`` is an array of fixed-size op records laid out ``[n_ops][n_threads]``:
+thread ``tid`` reads record ``plan[op][tid]``, calls its kernel (if any) with
+the record's arguments, and, when the record asks for it, waits at a barrier
+until every thread has finished the op. The Python side (runtime/plan.py)
+splits the work and writes each thread's arguments once, when the plan is
+built; per token it only patches a few words.
+
+Record (RECORD_BYTES = 128, two cache lines; offsets below):
+
+    FN_OFFSET         u64      kernel address; 0 = nothing to do for this thread
+    FLOAT_ARGS_OFFSET f32[2]   passed in xmm0, xmm1
+    BARRIER_OFFSET    u32      nonzero: all threads wait here after the op
+                               (the same value in every thread's record)
+    INT_ARGS_OFFSET   u64[13]  integer/pointer args: rdi, rsi, rdx, rcx, r8, r9,
+                               then 7 on the stack (System V order)
+
+A non-empty plan ends with one more barrier: each thread returns only when
+every thread has finished every op, so worker 0 coming back means the plan is
+done and nobody waits for the others in Python.
+
+Every slot is always passed: a kernel ignores the registers and stack slots
+it does not declare, so the executor needs no per-op argument count.
+
+The barrier is built from plain stores (PeachPy emits no LOCK prefix): the
+``sync`` block holds one 64-byte line per thread after a control line,
+
+    line 0           u64 abort flag (nonzero: spinning threads give up and return)
+    line 1 + t       u64 epoch of thread t: how many barriers it has reached
+
+Thread t counts its barriers in a register, publishes the count with one
+store to its own line (MFENCE first, so the op's results -- including
+non-temporal stores -- are visible before the count says they are) and spins
+with PAUSE until every line shows at least that count. Each thread reads its
+epoch from its line when the plan starts, so epochs carry over from plan to
+plan; the pool zeroes the block once, and again only after an abort. A
+thread can be at most one barrier ahead of the slowest one, so ``>=`` is
+exact and the 64-bit counters never wrap in practice.
+
+A spinner that has waited SPINS_BEFORE_YIELD pauses calls sched_yield: with
+more threads than cores (or a busy machine) the thread it waits for may be
+queued on its core, and a pure spinner would hold that core for a whole time
+slice.
+"""
+from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, CMP, TEST,
+                            JZ, JNZ, JE, JNE, JAE, JB, JMP, CALL, PAUSE, MFENCE, SYSCALL, Loop, Block,
+                            VMOVSS, VMOVUPS, VMASKMOVPS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
+                            qword, dword, rax, rbx, rbp, rdi, rsi, rdx, rcx, r8, r9, r10, r12, r13,
+                            r11, r14, r15, eax, r8d, xmm0, xmm1)
+
+# rsp is not exported by peachpy.x86_64: PeachPy owns the stack unless told otherwise.
+from peachpy.x86_64.registers import rsp
+
+from .common import Kernel, function, symbol, tail_mask
+
+RECORD_BYTES = 128
+FN_OFFSET = 0
+FLOAT_ARGS_OFFSET = 8
+BARRIER_OFFSET = 16
+INT_ARGS_OFFSET = 24
+MAX_INT_ARGS = 13
+MAX_FLOAT_ARGS = 2
+SYNC_LINE_BYTES = 64
+ABORT_OFFSET = 0
+
+INT_ARG_REGISTERS = (rdi, rsi, rdx, rcx, r8, r9)
+STACK_ARGS = MAX_INT_ARGS - len(INT_ARG_REGISTERS)
+# Stack slots for the call, rounded up to keep rsp 16-byte aligned at CALL.
+STACK_ARGS_BYTES = (STACK_ARGS * 8 + 15) // 16 * 16
+SPINS_BEFORE_YIELD = 256
+SYS_SCHED_YIELD = 24
+
+RECORD_SHIFT = RECORD_BYTES.bit_length() - 1
+SYNC_LINE_SHIFT = SYNC_LINE_BYTES.bit_length() - 1
+
+assert INT_ARGS_OFFSET + 8 * MAX_INT_ARGS <= RECORD_BYTES
+assert RECORD_BYTES == 1 << RECORD_SHIFT and RECORD_BYTES % 64 == 0
+assert SYNC_LINE_BYTES == 1 << SYNC_LINE_SHIFT
+
+
+def emit_run_plan(isa):
+    """The executor. Everything live across a kernel call sits in callee-saved
+    registers (PeachPy saves them for us), named here once:
+
+        r12  this thread's record of the current op     r13  ops left
+        r14  bytes from one op's records to the next's  r15  sync block
+        rbx  this thread's epoch                        rbp  rsp at entry
+        [rsp] n_threads, [rsp+8] address of this thread's epoch line
+    """
+    sig = [("plan", "const uint8_t*"), ("n_ops", "size_t"), ("tid", "size_t"),
+           ("n_threads", "size_t"), ("sync", "uint8_t*")]
+    fn, (plan, n_ops, tid, n_threads, sync) = function(symbol("run_plan", "", "", isa), sig, isa)
+    record, ops_left, op_stride, sync_base, epoch, saved_rsp = r12, r13, r14, r15, rbx, rbp
+    finished = Label("finished")
+    with fn:
+        LOAD.ARGUMENT(record, plan)
+        LOAD.ARGUMENT(ops_left, n_ops)
+        LOAD.ARGUMENT(epoch, tid)
+        LOAD.ARGUMENT(op_stride, n_threads)
+        LOAD.ARGUMENT(sync_base, sync)
+
+        # Our own 16-byte-aligned frame, whatever PeachPy's prologue pushed.
+        MOV(saved_rsp, rsp)
+        AND(rsp, -16)
+        SUB(rsp, 16)
+        MOV([rsp], op_stride)
+        # Shifts, not IMUL: PeachPy encodes IMUL's immediates 128..255 as a
+        # sign-extended imm8, i.e. IMUL(r, r, 128) multiplies by -128.
+        LEA(rax, [epoch + 1])
+        SHL(rax, SYNC_LINE_SHIFT)
+        ADD(rax, sync_base)
+        MOV([rsp + 8], rax)
+
+        MOV(rcx, epoch)
+        SHL(rcx, RECORD_SHIFT)
+        ADD(record, rcx)
+        SHL(op_stride, RECORD_SHIFT)
+        MOV(epoch, [rax])
+
+        TEST(ops_left, ops_left)
+        JZ(finished)
+        with Loop() as ops:
+            _call_kernel(record)
+            no_barrier = Block()
+            with no_barrier:
+                CMP(dword[record + BARRIER_OFFSET], 0)
+                JE(no_barrier.end)
+                _barrier(epoch, sync_base, finished)
+            ADD(record, op_stride)
+            SUB(ops_left, 1)
+            JNZ(ops.begin)
+        _barrier(epoch, sync_base, finished)
+        LABEL(finished)
+        MOV(rsp, saved_rsp)
+        RETURN()
+    return Kernel(fn, "executor", isa, args=sig)
+
+
+def _call_kernel(record):
+    """Call the record's kernel, if it has one, with all its argument slots."""
+    idle = Block()
+    with idle:
+        MOV(rax, [record + FN_OFFSET])
+        TEST(rax, rax)
+        JZ(idle.end)
+        SUB(rsp, STACK_ARGS_BYTES)
+        for slot in range(STACK_ARGS):
+            MOV(r10, [record + INT_ARGS_OFFSET + 8 * (len(INT_ARG_REGISTERS) + slot)])
+            MOV([rsp + 8 * slot], r10)
+        for i, reg in enumerate(INT_ARG_REGISTERS):
+            MOV(reg, [record + INT_ARGS_OFFSET + 8 * i])
+        VMOVSS(xmm0, dword[record + FLOAT_ARGS_OFFSET])
+        VMOVSS(xmm1, dword[record + FLOAT_ARGS_OFFSET + 4])
+        CALL(rax)
+        ADD(rsp, STACK_ARGS_BYTES)
+
+
+def _barrier(epoch, sync_base, finished):
+    """Publish one more barrier reached; wait until every thread has too.
+
+    Uses only registers SYSCALL and the loop leave alone (it clobbers rax, rcx, r11)."""
+    line, threads_left, spins = rdi, rsi, r8
+    ADD(epoch, 1)
+    MFENCE()
+    MOV(rax, [rsp + 8])
+    MOV([rax], epoch)
+
+    MOV(threads_left, [rsp])
+    LEA(line, [sync_base + SYNC_LINE_BYTES])
+    MOV(r8d, SPINS_BEFORE_YIELD)
+    with Loop() as threads:
+        with Loop() as spin:
+            CMP(qword[line], epoch)
+            JAE(spin.end)
+            PAUSE()
+            CMP(qword[sync_base + ABORT_OFFSET], 0)
+            JNE(finished)
+            SUB(spins, 1)
+            JNZ(spin.begin)
+            MOV(eax, SYS_SCHED_YIELD)
+            SYSCALL()
+            MOV(r8d, SPINS_BEFORE_YIELD)
+            JMP(spin.begin)
+        ADD(line, SYNC_LINE_BYTES)
+        SUB(threads_left, 1)
+        JNZ(threads.begin)
+
+
+def emit_copy(isa):
+    """dst[i] = src[i] for i < n (the model writes K/V rows into the cache with it)."""
+    sig = [("src", "const float*"), ("dst", "float*"), ("n", "size_t")]
+    fn, args = function(symbol("copy", "f32", "", isa), sig, isa)
+    lanes = 8
+    with fn:
+        src, dst, n = (GeneralPurposeRegister64() for _ in range(3))
+        for reg, arg in zip((src, dst, n), args):
+            LOAD.ARGUMENT(reg, arg)
+        x = YMMRegister()
+        full = Loop()
+        CMP(n, lanes)
+        JB(full.end)
+        with full:
+            VMOVUPS(x, [src])
+            VMOVUPS([dst], x)
+            ADD(src, 32)
+            ADD(dst, 32)
+            SUB(n, lanes)
+            CMP(n, lanes)
+            JAE(full.begin)
+        tail = Block()
+        with tail:
+            TEST(n, n)
+            JZ(tail.end)
+            mask = YMMRegister()
+            tail_mask(mask, n)
+            VMASKMOVPS(x, mask, [src])
+            VMASKMOVPS([dst], mask, x)
+        RETURN()
+    return Kernel(fn, "executor", isa, tile=f"{lanes}", args=sig)
+
+
+def emit_probe_args(isa):
+    """Test kernel: writes back every argument it was called with, and rsp mod 16 at entry.
+
+    out: u64[12] = a1..a12, then f32 f0, f32 f1 (bytes 96..103), then u64 rsp % 16
+    (bytes 104..111; 8 when the caller kept the System V alignment). The floats
+    sit between the integers in the signature: System V assigns the two classes
+    independently, which is what the executor relies on."""
+    ints = [(f"a{k}", "size_t") for k in range(1, 13)]
+    sig = [("out", "uint8_t*")] + ints[:5] + [("f0", "float")] + ints[5:] + [("f1", "float")]
+    fn, args = function(symbol("probe_args", "", "", isa), sig, isa)
+    by_name = {a.name: a for a in args}
+    with fn:
+        # Physical registers outside the argument set: PeachPy's allocator does not
+        # know argument registers are live before their LOAD.ARGUMENT. No
+        # callee-saved register and no locals, so no prologue moves rsp.
+        out, value, f = r11, rax, XMMRegister()
+        MOV(value, rsp)
+        AND(value, 15)
+        LOAD.ARGUMENT(out, by_name["out"])
+        MOV([out + 104], value)
+        for k in range(1, 13):
+            LOAD.ARGUMENT(value, by_name[f"a{k}"])
+            MOV([out + 8 * (k - 1)], value)
+        for i, name in enumerate(("f0", "f1")):
+            LOAD.ARGUMENT(f, by_name[name])
+            VMOVSS(dword[out + 96 + 4 * i], f)
+        RETURN()
+    return Kernel(fn, "executor", isa, args=sig)
+
+
+def emit(isa):
+    return [emit_run_plan(isa), emit_copy(isa), emit_probe_args(isa)]

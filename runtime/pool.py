@@ -1,0 +1,251 @@
+"""The worker pool: N pinned threads that run a plan together, entering native code once each.
+
+    with WorkerPool(2) as pool:     # or WorkerPool() for default_threads()
+        plan.run(pool)              # == pool.run(plan)
+
+Threads are started once and each pins itself to its own core; the calling
+thread is worker 0, so a one-thread pool runs plans with no handoff at all.
+Per plan, the pool wakes the workers once (a condition variable: a few
+microseconds, once per token) and every thread calls ``llb_run_plan__avx2``
+through ctypes, which releases the GIL; between ops they meet at the spin
+barrier inside the generated code, not in Python.
+
+Between plans the workers sleep in Python, never in native code. A
+KeyboardInterrupt that lands in the middle of ``run`` leaves the pool usable:
+the next ``run`` (or ``close``) first raises the sync block's abort flag if
+worker 0 never ran its share (so nobody spins waiting for it), waits for the
+workers to come back, and clears the sync block.
+"""
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from . import buffers
+from . import validate as v
+
+THREADS_ENV = "LLAMBDA_THREADS"
+SYNC_LINE_WORDS = 8          # 64-byte lines of u64 (see codegen/executor.py)
+ABORT_WORD = 0
+JOIN_TIMEOUT_S = 5.0
+
+
+def _parse_cpu_list(text):
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def physical_cores():
+    """The CPUs this process may run on, grouped by physical core: ``[[cpu, sibling...], ...]``.
+
+    Hyperthread siblings come from sysfs; where it is unreadable every CPU counts as a core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = {}
+    for cpu in allowed:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings = tuple(c for c in _parse_cpu_list(f.read()) if c in allowed) or (cpu,)
+        except (OSError, ValueError):
+            siblings = (cpu,)
+        cores.setdefault(siblings, sorted(siblings))
+    return sorted(cores.values())
+
+
+def pinning_order():
+    """CPUs to pin workers 0, 1, 2, ... to: one per physical core first, then their siblings."""
+    cores = physical_cores()
+    depth = max(len(c) for c in cores)
+    return [core[level] for level in range(depth) for core in cores if level < len(core)]
+
+
+def default_threads():
+    """``$LLAMBDA_THREADS`` if set, else the number of physical cores this process may use."""
+    text = os.environ.get(THREADS_ENV)
+    if text is None or not text.strip():
+        return len(physical_cores())
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"{THREADS_ENV}: expected an integer >= 1, got {text!r}")
+    return n
+
+
+class _Crew:
+    """What the worker threads share with the pool.
+
+    Kept apart from WorkerPool so that the threads do not keep the pool alive:
+    an unreferenced pool is collected and its finalizer sends the crew home."""
+
+    def __init__(self, n_threads, run_plan):
+        self.n_threads = n_threads
+        self.run_plan = run_plan
+        self.sync = buffers.zeros((n_threads + 1) * SYNC_LINE_WORDS, np.uint64)
+        self.lock = threading.Lock()
+        self.start = threading.Condition(self.lock)     # workers wait here for a round
+        self.done = threading.Condition(self.lock)      # settle() waits here for the others
+        self.round = 0                  # rounds requested so far
+        self.finished = [0] * n_threads     # last round each worker finished (index 0: worker 0)
+        self.job = None                 # (plan address, n_ops) of the current round
+        self.aborting = False           # workers woken during a recovery skip the plan
+        self.closing = False
+        self.dirty = False              # worker 0 may not have run its share of the last round
+
+    def work(self, tid, cpu):
+        """A worker thread's life: sleep until a round, run its share, report, repeat."""
+        _pin(cpu)
+        while True:
+            with self.lock:
+                while self.finished[tid] == self.round and not self.closing:
+                    self.start.wait()
+                if self.closing:
+                    return
+                round_, job, aborting = self.round, self.job, self.aborting
+            try:
+                if not aborting:
+                    self.run_plan(job[0], job[1], tid, self.n_threads, self.sync.ctypes.data)
+            finally:
+                with self.lock:
+                    self.finished[tid] = round_
+                    self.done.notify()
+
+    def run(self, address, n_ops):
+        """One round: wake the workers and run worker 0's share here.
+
+        No wait for the others afterwards: a plan ends with a barrier, so when
+        worker 0 returns every thread has finished every op (an empty plan has
+        nothing to finish). The workers catch up with their bookkeeping while
+        the caller goes on; the next round finds them waiting or about to."""
+        self.settle()
+        self.dirty = True
+        with self.lock:
+            self.job = (address, n_ops)
+            self.round += 1
+            self.start.notify_all()
+        self.run_plan(address, n_ops, 0, self.n_threads, self.sync.ctypes.data)
+        self.finished[0] = self.round
+        self.dirty = False
+
+    def wait_for_workers(self):
+        with self.lock:
+            while min(self.finished) != self.round:
+                self.done.wait()
+
+    def settle(self):
+        """After an interrupted round: free any spinner, wait for everyone, clear the sync block."""
+        if not self.dirty:
+            return
+        with self.lock:
+            if self.finished[0] != self.round:
+                # Worker 0 never ran its share: the others would wait for it forever.
+                self.aborting = True
+                self.sync[ABORT_WORD] = 1
+                self.finished[0] = self.round
+            self.start.notify_all()     # in case the interrupt cut the wake-up short
+        self.wait_for_workers()
+        self.sync[:] = 0
+        self.aborting = False
+        self.dirty = False
+
+    def shut_down(self, threads):
+        try:
+            self.settle()
+        finally:
+            with self.lock:
+                self.closing = True
+                self.start.notify_all()
+            for thread in threads:
+                thread.join(JOIN_TIMEOUT_S)
+
+
+def _pin(cpu):
+    """Pin the calling thread to ``cpu`` (None: leave it alone). A refused pin is not fatal."""
+    if cpu is None:
+        return
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        pass
+
+
+class WorkerPool:
+    """``n_threads`` pinned workers (default: ``default_threads()``), the caller being worker 0."""
+
+    def __init__(self, n_threads=None, *, pin=True):
+        if n_threads is None:
+            n_threads = default_threads()
+        self.n_threads = v.positive_int("n_threads", n_threads)
+        order = pinning_order()
+        self.cpus = [order[i % len(order)] for i in range(self.n_threads)] if pin else [None] * self.n_threads
+        from .native._lib import kernel
+        self._crew = _Crew(self.n_threads, kernel("llb_run_plan__avx2"))
+        self._threads = [threading.Thread(target=self._crew.work, args=(tid, self.cpus[tid]),
+                                          name=f"llambda-worker-{tid}", daemon=True)
+                         for tid in range(1, self.n_threads)]
+        for thread in self._threads:
+            thread.start()
+        # (thread ident, native id, affinity before pinning) of worker 0, in a box
+        # the finalizer shares, so that closing restores the caller's affinity.
+        self._caller_box = [None]
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shut_down, self._crew, self._threads, self._caller_box)
+
+    def run(self, plan):
+        """Run every op of ``plan`` once on all threads; returns when all have finished."""
+        if self._closed:
+            raise RuntimeError("WorkerPool.run: the pool is closed")
+        if plan.n_threads != self.n_threads:
+            raise ValueError(f"plan: built for {plan.n_threads} threads, the pool has {self.n_threads}")
+        self._pin_caller()
+        self._crew.run(plan.address, plan.n_ops)
+
+    def close(self):
+        """Stop the workers and unpin the caller. Idempotent; also runs at exit."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def sync(self):
+        """The barrier's sync block (one u64 control line, then one epoch line per thread)."""
+        return self._crew.sync
+
+    def _pin_caller(self):
+        """Pin whichever thread calls run() (worker 0) to the first CPU, remembering its old mask."""
+        ident = threading.get_ident()
+        previous = self._caller_box[0]
+        if self.cpus[0] is None or (previous is not None and previous[0] == ident):
+            return
+        _restore_affinity(previous)
+        self._caller_box[0] = (ident, threading.get_native_id(), os.sched_getaffinity(0))
+        _pin(self.cpus[0])
+
+
+def _restore_affinity(caller):
+    if caller is None:
+        return
+    _, native_id, mask = caller
+    try:
+        os.sched_setaffinity(native_id, mask)
+    except OSError:
+        pass        # that thread is gone: nothing to restore
+
+
+def _shut_down(crew, threads, caller_box):
+    try:
+        crew.shut_down(threads)
+    finally:
+        _restore_affinity(caller_box[0])

@@ -1,0 +1,157 @@
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from helpers import nan_buffer, float_arrays
+from llambda.runtime import buffers, layouts
+from llambda.runtime.layouts import PackedWeight
+
+BLOCK = 32
+GROUP = 8
+TILE_M = 6          # activation rows per register tile in codegen/qgemm.py
+# GGUF block layout: (bytes per block, f16 scale fields in front of the quants)
+GGUF_BLOCKS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
+
+m_sizes = st.sampled_from([1, 2, TILE_M - 1, TILE_M, TILE_M + 1, 2 * TILE_M + 1, 37]) | st.integers(1, 40)
+n_sizes = st.sampled_from([1, 7, 8, 9, 17, 100]) | st.integers(1, 120)
+k_sizes = st.sampled_from([32, 64, 96, 576]) | st.integers(1, 20).map(lambda b: BLOCK * b)
+
+
+def random_gguf_weight(type_name, n, k, seed=0, magnitude=1.0):
+    """Raw GGUF bytes with arbitrary quants and f16 scales mixing zeros, signs and magnitudes."""
+    rng = np.random.default_rng(seed)
+    block_bytes, fields = GGUF_BLOCKS[type_name]
+    raw = rng.integers(0, 256, (n, k // BLOCK, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((n, k // BLOCK, fields)) * magnitude).astype(np.float16)
+    scales[rng.random(scales.shape) < 0.1] = 0
+    raw[..., :2 * fields] = scales.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def drawn_weight(draw, type_name, n, k):
+    seed = draw(st.integers(0, 2**32 - 1))
+    magnitude = draw(st.sampled_from([1e-6, 1e-3, 1.0, 300.0]))
+    return layouts.pack(type_name, random_gguf_weight(type_name, n, k, seed, magnitude), n, k)
+
+
+def quantized_activations(native, draw, m, k):
+    x = float_arrays(draw, (m, k))
+    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+    native.quantize_q8(x, qs, d, s)
+    return qs, d, s
+
+
+def magnitude_bound(qs, d, w):
+    """sum_k |d_w q_w| + |m_w|) * |d_a q_a|: what float rounding errors are relative to."""
+    if w.kind == "q4_1":
+        w = dataclasses.replace(w, arrays=dict(w.arrays, dm=np.abs(w.arrays["dm"])))
+    weights = np.abs(layouts.dequantize(w).astype(np.float64))
+    m, k = qs.shape
+    act = np.abs(qs.astype(np.float64)).reshape(m, -1, BLOCK) * d.astype(np.float64)[..., None]
+    return act.reshape(m, k) @ weights.T
+
+
+def assert_close_to_reference(got, want, bound):
+    # Integer dot products are exact; the error is float32 rounding of the scale products
+    # and of the running sum over k/32 blocks (plus the reference's f32 dequantization):
+    # at most ~(k/32 + 3) * 2^-24 of sum|w||a|, well inside 1e-5 of it for k <= 640.
+    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-5 * bound + 1e-30)
+
+
+@given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)
+def test_qgemm_matches_reference(native, ref, data, type_name, m, n, k):
+    w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized_activations(native, data.draw, m, k)
+    got, want = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, got)
+    ref.qgemm(qs, d, s, w, want)
+    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
+
+
+@given(st.data(), st.sampled_from(["Q4_1", "Q8_0"]), m_sizes, st.integers(1, 70), k_sizes)
+def test_qgemm_row_range_writes_only_its_columns(native, ref, data, type_name, m, n, k):
+    w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized_activations(native, data.draw, m, k)
+    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
+    n1 = data.draw(st.integers(n0 + 1, n))
+    got, want = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, got, rows=(n0, n1))
+    ref.qgemm(qs, d, s, w, want, rows=(n0, n1))
+    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
+    assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], magnitude_bound(qs, d, w)[:, n0:n1])
+
+
+@given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), st.integers(1, 40), st.sampled_from([32, 96]))
+def test_rows_is_dequantize_of_those_rows(data, type_name, n, k):
+    w = drawn_weight(data.draw, type_name, n, k)
+    ids = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=5)))
+    full = layouts.dequantize(w)
+    assert full.shape == (n, k) and full.dtype == np.float32
+    np.testing.assert_array_equal(layouts.rows(w, ids), full[ids])
+
+
+def test_layout_arrays_are_aligned_and_padded():
+    w = layouts.pack("Q4_1", random_gguf_weight("Q4_1", 9, 64), 9, 64)
+    assert w.kind == "q4_1" and w.meta["group"] == GROUP and w.meta["source"] == "Q4_1"
+    assert w.arrays["qs"].shape == (2, 2, 4, GROUP, 4) and w.arrays["dm"].shape == (2, 2, 2, GROUP)
+    assert all(a.ctypes.data % 64 == 0 for a in w.arrays.values())
+    np.testing.assert_array_equal(w.arrays["qs"][1, :, :, 1:], 0)     # rows 9..15 are padding
+    np.testing.assert_array_equal(w.arrays["dm"][1, :, :, 1:], 0)
+
+
+def test_pack_rejects_bad_tensors():
+    raw = np.zeros((4, 20), np.uint8)
+    with pytest.raises(ValueError, match="k = 48 must be a positive multiple of 32"):
+        layouts.pack("Q4_1", raw, 4, 48)
+    with pytest.raises(ValueError, match="expected 4 rows of 40 bytes"):
+        layouts.pack("Q4_1", raw, 4, 64)
+    with pytest.raises(ValueError, match="Q2_K is not supported"):
+        layouts.pack("Q2_K", raw, 4, 32)
+    huge = np.zeros((1, 18), np.uint8)
+    huge[0, :2] = np.array([30000], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="too large"):
+        layouts.pack("Q4_0", huge, 1, 32)
+    w = layouts.pack("Q4_1", raw, 4, 32)
+    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
+        layouts.rows(w, [4])
+
+
+def test_qgemm_rejects_bad_arguments(native):
+    m, n, k = 3, 10, 64
+    w = layouts.pack("Q4_1", np.zeros((n, 40), np.uint8), n, k)
+    qs, d, s = buffers.zeros((m, k), np.int8), buffers.zeros((m, 2)), buffers.zeros((m, 2))
+    out = buffers.zeros((m, n))
+    with pytest.raises(ValueError, match="qs: expected dtype int8"):
+        native.qgemm(buffers.zeros((m, k), np.uint8), d, s, w, out)
+    with pytest.raises(ValueError, match="qs: k = 40 must be a multiple of 32"):
+        native.qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)
+    with pytest.raises(ValueError, match="d: expected shape"):
+        native.qgemm(qs, buffers.zeros((m, 3)), s, w, out)
+    with pytest.raises(ValueError, match="s: data must be 32-byte aligned"):
+        native.qgemm(qs, d, buffers.zeros(2 * m + 1)[1:].reshape(m, 2), w, out)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        native.qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))
+    with pytest.raises(ValueError, match="out: array must be C-contiguous"):
+        native.qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])
+    with pytest.raises(ValueError, match="w: expected a PackedWeight"):
+        native.qgemm(qs, d, s, np.zeros((n, k), np.float32), out)
+    with pytest.raises(ValueError, match="w: qgemm needs a q4_1 or q8_0 weight"):
+        native.qgemm(qs, d, s, PackedWeight("f32", n, k), out)
+    with pytest.raises(ValueError, match="w: has k = 64 but the activations have k = 32"):
+        native.qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)
+    with pytest.raises(ValueError, match="w.dm: expected a numpy array"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])), out)
+    with pytest.raises(ValueError, match="w.qs: expected shape"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, n=17), buffers.zeros((m, 17)))
+    with pytest.raises(ValueError, match="rows: n0 = 4 must be a multiple of the row group"):
+        native.qgemm(qs, d, s, w, out, rows=(4, 8))
+    with pytest.raises(ValueError, match=r"rows: need 0 <= n0 < n1 <= 10"):
+        native.qgemm(qs, d, s, w, out, rows=(8, 11))
+    with pytest.raises(ValueError, match=r"rows: need 0 <= n0 < n1"):
+        native.qgemm(qs, d, s, w, out, rows=(8, 8))
+    with pytest.raises(ValueError, match="rows: expected a pair"):
+        native.qgemm(qs, d, s, w, out, rows=8)
+    native.qgemm(qs, d, s, w, out)                   # and the process is fine
+    np.testing.assert_array_equal(out, 0)

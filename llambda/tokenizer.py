@@ -229,7 +229,10 @@ class Tokenizer:
                 token_types[token_id] = TokenType.CONTROL
 
         if kind == "gpt2":
-            pre = md.get("tokenizer.ggml.pre", "default")
+            if "tokenizer.ggml.pre" not in md:
+                raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
+                                "it predates them: convert the model again with a current llama.cpp")
+            pre = md["tokenizer.ggml.pre"]
             regex_set = _PRE_TOKENIZER_NAMES.get(pre)
             if regex_set is None:
                 known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
@@ -313,15 +316,22 @@ class Tokenizer:
 
     def token_text(self, token_id):
         """The token as the vocabulary spells it (e.g. "Ġhello", "<|im_end|>")."""
-        return self._tokens[token_id]
+        return self._tokens[self._checked(token_id)]
 
     def token_bytes(self, token_id):
         """The bytes the token decodes to."""
-        return self._piece_bytes[token_id]
+        return self._piece_bytes[self._checked(token_id)]
 
     def is_special(self, token_id):
         """True for control tokens (BOS, EOS, <|im_start|>, ...), which skip_special drops."""
-        return self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+        return self._types[self._checked(token_id)] in (TokenType.CONTROL, TokenType.UNKNOWN)
+
+    def _checked(self, token_id):
+        # A negative id would silently index from the end of the vocabulary.
+        if not 0 <= token_id < len(self._tokens):
+            raise ValueError(f"token id {token_id} is outside the vocabulary "
+                             f"(0..{len(self._tokens) - 1})")
+        return token_id
 
     # -- encoding ------------------------------------------------------------
 
@@ -374,21 +384,27 @@ class Tokenizer:
     # -- decoding ------------------------------------------------------------
 
     def decode(self, ids, skip_special=False):
-        """Text of `ids`; invalid UTF-8 (a character cut between ids) becomes U+FFFD."""
-        pieces = [self._piece_bytes[token_id] for token_id in ids
-                  if not (skip_special and self.is_special(token_id))]
-        if pieces and self._strips_prefix_space(ids, skip_special):
-            pieces[0] = pieces[0][1:]
-        return b"".join(pieces).decode("utf-8", errors="replace")
+        """Text of `ids`; invalid UTF-8 (a character cut between ids) becomes U+FFFD.
 
-    def _strips_prefix_space(self, ids, skip_special):
-        """SentencePiece encoding put a space before the text; decoding takes it off."""
-        if not self._add_space_prefix:
-            return False
-        first = next((token_id for token_id in ids
-                      if not (skip_special and self.is_special(token_id))), None)
-        return (first is not None and not self.is_special(first)
-                and self._piece_bytes[first].startswith(b" "))
+        skip_special: leave out control tokens (BOS, <|im_end|>, ...).
+        """
+        shown = []
+        for token_id in ids:
+            piece = self._shown_piece(token_id, not shown, skip_special)
+            if piece is not None:
+                shown.append(piece)
+        return b"".join(shown).decode("utf-8", errors="replace")
+
+    def _shown_piece(self, token_id, is_first, skip_special):
+        """The bytes `token_id` adds to decoded text, or None when skip_special hides it."""
+        special = self.is_special(token_id)
+        if skip_special and special:
+            return None
+        piece = self._piece_bytes[token_id]
+        # SentencePiece encoding put a space before the text; decoding takes it off.
+        if is_first and self._add_space_prefix and not special and piece.startswith(b" "):
+            piece = piece[1:]
+        return piece
 
     def streaming_decoder(self, skip_special=False):
         """A decoder fed one id at a time that only ever returns whole characters."""
@@ -423,12 +439,9 @@ class StreamingDecoder:
 
     def feed(self, token_id):
         """The text completed by this id ("" while a character is unfinished)."""
-        tokenizer = self._tokenizer
-        if self._skip_special and tokenizer.is_special(token_id):
+        piece = self._tokenizer._shown_piece(token_id, self._at_start, self._skip_special)
+        if piece is None:
             return ""
-        piece = tokenizer.token_bytes(token_id)
-        if self._at_start and tokenizer._strips_prefix_space([token_id], self._skip_special):
-            piece = piece[1:]
         self._at_start = False
         return self._utf8.decode(piece)
 

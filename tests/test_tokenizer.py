@@ -249,7 +249,7 @@ def test_unknown_tokenizer_model_is_a_user_error(smollm_md):
 
 
 @pytest.mark.parametrize("key", ["tokenizer.ggml.model", "tokenizer.ggml.tokens",
-                                 "tokenizer.ggml.merges"])
+                                 "tokenizer.ggml.merges", "tokenizer.ggml.pre"])
 def test_missing_key_is_a_user_error_naming_it(smollm_md, key):
     md = {k: v for k, v in smollm_md.items() if k != key}
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
@@ -259,3 +259,13 @@ def test_missing_key_is_a_user_error_naming_it(smollm_md, key):
 def test_encode_rejects_bytes(tok):
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
+
+
+@pytest.mark.parametrize("bad_id", [-1, 49152])
+def test_ids_outside_the_vocabulary_are_a_value_error(tok, bad_id):
+    with pytest.raises(ValueError, match=str(bad_id)):
+        tok.decode([5, bad_id])
+    with pytest.raises(ValueError):
+        tok.streaming_decoder().feed(bad_id)
+    with pytest.raises(ValueError):
+        tok.token_text(bad_id)

@@ -193,6 +193,41 @@ def _sentencepiece_engine(tokens, scores, unknown_id):
     return _HfTokenizer(model)
 
 
+def _engine_for(kind, md, tokens):
+    """(merge engine, adds BOS unless told, prefixes a space) for a vocabulary kind."""
+    if kind == "gpt2":
+        if "tokenizer.ggml.pre" not in md:
+            raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
+                            "it predates them: convert the model again with a current llama.cpp")
+        pre = md["tokenizer.ggml.pre"]
+        regex_set = _PRE_TOKENIZER_NAMES.get(pre)
+        if regex_set is None:
+            known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
+            raise UserError(f"unsupported pre-tokenizer '{pre}' (tokenizer.ggml.pre); "
+                            f"supported: {known}")
+        merges = _required(md, "tokenizer.ggml.merges")
+        engine = _byte_level_bpe_engine(tokens, merges, regex_set)
+        return engine, regex_set in _ADDS_BOS_BY_DEFAULT, False
+    if kind == "llama":
+        scores = [float(s) for s in _required(md, "tokenizer.ggml.scores")]
+        unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
+        engine = _sentencepiece_engine(tokens, scores, unknown_id)
+        return engine, True, bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    raise UserError(f"unsupported tokenizer model '{kind}' (tokenizer.ggml.model); "
+                    "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+
+
+def _end_of_generation_ids(md, tokens):
+    eog_ids = {token_id for token_id, text in enumerate(tokens)
+               if text in _END_OF_GENERATION_TEXTS}
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id"):
+        token_id = _optional_id(md, key, len(tokens))
+        if token_id is not None:
+            eog_ids.add(token_id)
+    return eog_ids
+
+
 # ---------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------
@@ -225,42 +260,13 @@ class Tokenizer:
         n_tokens = len(tokens)
         token_types = _token_types(md, n_tokens)
         for token_id, text in enumerate(tokens):
-            if text in _END_OF_GENERATION_TEXTS:
+            if text in _END_OF_GENERATION_TEXTS:  # llama.cpp forces these to control
                 token_types[token_id] = TokenType.CONTROL
 
-        if kind == "gpt2":
-            if "tokenizer.ggml.pre" not in md:
-                raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
-                                "it predates them: convert the model again with a current llama.cpp")
-            pre = md["tokenizer.ggml.pre"]
-            regex_set = _PRE_TOKENIZER_NAMES.get(pre)
-            if regex_set is None:
-                known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
-                raise UserError(f"unsupported pre-tokenizer '{pre}' (tokenizer.ggml.pre); "
-                                f"supported: {known}")
-            merges = _required(md, "tokenizer.ggml.merges")
-            engine = _byte_level_bpe_engine(tokens, merges, regex_set)
-            default_add_bos = regex_set in _ADDS_BOS_BY_DEFAULT
-            add_space_prefix = False
-        elif kind == "llama":
-            scores = [float(s) for s in _required(md, "tokenizer.ggml.scores")]
-            unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", n_tokens)
-            engine = _sentencepiece_engine(tokens, scores, unknown_id)
-            default_add_bos = True
-            add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-        else:
-            raise UserError(f"unsupported tokenizer model '{kind}' (tokenizer.ggml.model); "
-                            "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
-
+        engine, default_add_bos, add_space_prefix = _engine_for(kind, md, tokens)
         bos_id = _optional_id(md, "tokenizer.ggml.bos_token_id", n_tokens)
         eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
-        eog_ids = {token_id for token_id, text in enumerate(tokens)
-                   if text in _END_OF_GENERATION_TEXTS}
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                    "tokenizer.ggml.eom_token_id"):
-            token_id = _optional_id(md, key, n_tokens)
-            if token_id is not None:
-                eog_ids.add(token_id)
+        eog_ids = _end_of_generation_ids(md, tokens)
         return cls(tokens=tokens, token_types=token_types, engine=engine, kind=kind,
                    bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
                    add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),

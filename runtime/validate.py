@@ -20,6 +20,8 @@ def array(name, value, dtype, shape=None, *, align=32, writable=False, ndim=None
         if value.ndim != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             raise ValueError(f"{name}: expected shape {want}, got {value.shape}")
+    if value.size == 0:
+        raise ValueError(f"{name}: array is empty (shape {value.shape})")
     if not value.flags.c_contiguous:
         raise ValueError(f"{name}: array must be C-contiguous (strides {value.strides})")
     if align and value.ctypes.data % align:
@@ -28,8 +30,6 @@ def array(name, value, dtype, shape=None, *, align=32, writable=False, ndim=None
                          f"allocate it with llambda.runtime.buffers")
     if writable and not value.flags.writeable:
         raise ValueError(f"{name}: array is read-only but the kernel writes it")
-    if value.size == 0:
-        raise ValueError(f"{name}: array is empty (shape {value.shape})")
     return value
 
 

@@ -57,15 +57,9 @@ KEY_BLOCK = 64                 # keys per P V block: 16 KB of V at head_dim 64, 
 
 NEG_INF = Constant.uint32x8(0xFF800000)
 
-
-def scratch_floats(n_ctx):
-    """Scratch floats the kernel needs: one score row per head done together, 8-float padded."""
-    return MAX_HEADS * score_stride(n_ctx)
-
-
-def score_stride(n_ctx):
-    return (n_ctx + LANES - 1) // LANES * LANES
-
+# The caller's scratch holds MAX_HEADS score rows, each n_ctx rounded up to a
+# multiple of 8 floats (runtime/native/attention.py sizes it; the manifest's
+# tile "h<MAX_HEADS>" lets the binding check that the two agree).
 
 SIGNATURE = [("q", "const float*"), ("k_cache", "const float*"), ("v_cache", "const float*"),
              ("out", "float*"), ("scratch", "float*"),

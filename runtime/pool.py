@@ -145,7 +145,9 @@ class _Crew:
             return
         with self.lock:
             if self.finished[0] != self.round:
-                # Worker 0 never ran its share: the others would wait for it forever.
+                # Worker 0 may not have run its share, and the others would wait for
+                # it forever. (If it did, they are all past their last barrier and
+                # never look at the flag: raising it is harmless.)
                 self.aborting = True
                 self.sync[ABORT_WORD] = 1
                 self.finished[0] = self.round

@@ -5,10 +5,13 @@
 
 Threads are started once and each pins itself to its own core; the calling
 thread is worker 0, so a one-thread pool runs plans with no handoff at all.
-Per plan, the pool wakes the workers once (a condition variable: a few
-microseconds, once per token) and every thread calls ``llb_run_plan__avx2``
-through ctypes, which releases the GIL; between ops they meet at the spin
-barrier inside the generated code, not in Python.
+Per plan, the pool wakes the workers once (a condition variable) and every
+thread calls ``llb_run_plan__avx2`` through ctypes, which releases the GIL;
+between ops they meet at the spin barrier inside the generated code, not in
+Python. Measured on the 2-core development VM: a run costs ~2 us of Python
+and ctypes; with 2 threads the sleeping worker joins ~16 us later (its
+wake-up latency, paid once per plan); a barrier costs ~20 ns with one thread
+and ~100 ns with two.
 
 Between plans the workers sleep in Python, never in native code. A
 KeyboardInterrupt that lands in the middle of ``run`` leaves the pool usable:

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from helpers import float_arrays, nan_buffer, sizes
+
 from llambda.runtime import buffers
 from llambda.runtime.plan import Plan, RECORD, MAX_INT_ARGS, MAX_FLOAT_ARGS, split_range, kernel_address
 from llambda.runtime.pool import WorkerPool
@@ -76,6 +78,18 @@ def test_the_plan_keeps_its_arrays_alive_until_replaced():
     plan.set_int_arg(handle, 0, buffers.zeros(PROBE_BYTES, np.uint8))
     gc.collect()
     assert alive() is None
+
+
+@given(st.data(), sizes(8, 2000))
+def test_copy_writes_exactly_n_floats(data, n):
+    src = float_arrays(data.draw, (n,))
+    guarded = nan_buffer(n + 16)            # NaN beyond n must stay NaN
+    plan = Plan(1)
+    plan.add("llb_copy_f32__avx2", int_args=[src, guarded, n])
+    with WorkerPool(1, pin=False) as pool:
+        plan.run(pool)
+    np.testing.assert_array_equal(guarded[:n], src)     # a copy: bit-exact
+    assert np.isnan(guarded[n:]).all()
 
 
 def test_plans_grow_past_their_initial_capacity():

@@ -48,8 +48,8 @@ slice.
 from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, CMP, TEST,
                             JZ, JNZ, JE, JNE, JAE, JB, JMP, CALL, PAUSE, MFENCE, SYSCALL, Loop, Block,
                             VMOVSS, VMOVUPS, VMASKMOVPS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
-                            qword, dword, rax, rbx, rbp, rdi, rsi, rdx, rcx, r8, r9, r10, r12, r13,
-                            r11, r14, r15, eax, r8d, xmm0, xmm1)
+                            qword, dword, rax, rbx, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13,
+                            r14, r15, eax, xmm0, xmm1)
 
 # rsp is not exported by peachpy.x86_64: PeachPy owns the stack unless told otherwise.
 from peachpy.x86_64.registers import rsp
@@ -98,9 +98,10 @@ def emit_run_plan(isa):
     with fn:
         LOAD.ARGUMENT(record, plan)
         LOAD.ARGUMENT(ops_left, n_ops)
-        LOAD.ARGUMENT(epoch, tid)
         LOAD.ARGUMENT(op_stride, n_threads)
         LOAD.ARGUMENT(sync_base, sync)
+        thread, my_line = rax, rdx          # needed only until the loop starts
+        LOAD.ARGUMENT(thread, tid)
 
         # Our own 16-byte-aligned frame, whatever PeachPy's prologue pushed.
         MOV(saved_rsp, rsp)
@@ -109,16 +110,15 @@ def emit_run_plan(isa):
         MOV([rsp], op_stride)
         # Shifts, not IMUL: PeachPy encodes IMUL's immediates 128..255 as a
         # sign-extended imm8, i.e. IMUL(r, r, 128) multiplies by -128.
-        LEA(rax, [epoch + 1])
-        SHL(rax, SYNC_LINE_SHIFT)
-        ADD(rax, sync_base)
-        MOV([rsp + 8], rax)
+        LEA(my_line, [thread + 1])
+        SHL(my_line, SYNC_LINE_SHIFT)
+        ADD(my_line, sync_base)
+        MOV([rsp + 8], my_line)
+        MOV(epoch, [my_line])
 
-        MOV(rcx, epoch)
-        SHL(rcx, RECORD_SHIFT)
-        ADD(record, rcx)
+        SHL(thread, RECORD_SHIFT)
+        ADD(record, thread)
         SHL(op_stride, RECORD_SHIFT)
-        MOV(epoch, [rax])
 
         TEST(ops_left, ops_left)
         JZ(finished)
@@ -161,7 +161,7 @@ def _call_kernel(record):
 def _barrier(epoch, sync_base, finished):
     """Publish one more barrier reached; wait until every thread has too.
 
-    Uses only registers SYSCALL and the loop leave alone (it clobbers rax, rcx, r11)."""
+    The loop's registers are ones SYSCALL leaves alone (it clobbers rax, rcx, r11)."""
     line, threads_left, spins = rdi, rsi, r8
     ADD(epoch, 1)
     MFENCE()
@@ -170,7 +170,7 @@ def _barrier(epoch, sync_base, finished):
 
     MOV(threads_left, [rsp])
     LEA(line, [sync_base + SYNC_LINE_BYTES])
-    MOV(r8d, SPINS_BEFORE_YIELD)
+    MOV(spins.as_dword, SPINS_BEFORE_YIELD)
     with Loop() as threads:
         with Loop() as spin:
             CMP(qword[line], epoch)
@@ -182,7 +182,7 @@ def _barrier(epoch, sync_base, finished):
             JNZ(spin.begin)
             MOV(eax, SYS_SCHED_YIELD)
             SYSCALL()
-            MOV(r8d, SPINS_BEFORE_YIELD)
+            MOV(spins.as_dword, SPINS_BEFORE_YIELD)
             JMP(spin.begin)
         ADD(line, SYNC_LINE_BYTES)
         SUB(threads_left, 1)

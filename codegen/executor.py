@@ -222,7 +222,7 @@ def emit_copy(isa):
     return Kernel(fn, "executor", isa, tile=f"{lanes}", args=sig)
 
 
-def emit_probe_args(isa):
+def emit_echo_args(isa):
     """Test kernel: writes back every argument it was called with, and rsp mod 16 at entry.
 
     out: u64[12] = a1..a12, then f32 f0, f32 f1 (bytes 96..103), then u64 rsp % 16
@@ -231,7 +231,7 @@ def emit_probe_args(isa):
     independently, which is what the executor relies on."""
     ints = [(f"a{k}", "size_t") for k in range(1, 13)]
     sig = [("out", "uint8_t*")] + ints[:5] + [("f0", "float")] + ints[5:] + [("f1", "float")]
-    fn, args = function(symbol("probe_args", "", "", isa), sig, isa)
+    fn, args = function(symbol("echo_args", "", "", isa), sig, isa)
     by_name = {a.name: a for a in args}
     with fn:
         # Physical registers outside the argument set: PeachPy's allocator does not
@@ -253,4 +253,4 @@ def emit_probe_args(isa):
 
 
 def emit(isa):
-    return [emit_run_plan(isa), emit_copy(isa), emit_probe_args(isa)]
+    return [emit_run_plan(isa), emit_copy(isa), emit_echo_args(isa)]

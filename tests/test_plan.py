@@ -13,12 +13,12 @@ from llambda.runtime import buffers
 from llambda.runtime.plan import Plan, RECORD, MAX_INT_ARGS, MAX_FLOAT_ARGS, split_range, kernel_address
 from llambda.runtime.pool import WorkerPool
 
-PROBE = "llb_probe_args__avx2"
-PROBE_BYTES = 112
+ECHO = "llb_echo_args__avx2"
+ECHO_BYTES = 112
 
 
-def probe_result(out):
-    """What llb_probe_args__avx2 wrote: (a1..a12 as u64, (f0, f1), rsp % 16 at its entry)."""
+def echo_result(out):
+    """What llb_echo_args__avx2 wrote: (a1..a12 as u64, (f0, f1), rsp % 16 at its entry)."""
     return list(out[:96].view(np.uint64)), tuple(out[96:104].view(np.float32)), int(out[104:].view(np.uint64)[0])
 
 
@@ -36,46 +36,46 @@ def test_record_layout_matches_the_generated_executor():
 def test_every_argument_reaches_the_kernel(n_threads):
     """13 integer-class args (6 in registers, 7 on the stack) and 2 floats, per thread,
     with rsp 16-byte aligned at the call (so rsp % 16 == 8 at the kernel's entry)."""
-    outs = [buffers.zeros(PROBE_BYTES, np.uint8) for _ in range(n_threads)]
+    outs = [buffers.zeros(ECHO_BYTES, np.uint8) for _ in range(n_threads)]
     ints = [[1000 * t + k for k in range(1, 12)] + [-1 - t] for t in range(n_threads)]
     plan = Plan(n_threads)
-    plan.add(PROBE, per_thread=[[outs[t]] + ints[t] for t in range(n_threads)], float_args=[1.5, -2.25e-7])
+    plan.add(ECHO, per_thread=[[outs[t]] + ints[t] for t in range(n_threads)], float_args=[1.5, -2.25e-7])
     with WorkerPool(n_threads) as pool:
         plan.run(pool)
     for t in range(n_threads):
-        got_ints, got_floats, rsp_mod_16 = probe_result(outs[t])
+        got_ints, got_floats, rsp_mod_16 = echo_result(outs[t])
         assert got_ints == [x % 2**64 for x in ints[t]]        # negative ints arrive two's complement
         assert got_floats == (np.float32(1.5), np.float32(-2.25e-7))
         assert rsp_mod_16 == 8
 
 
 def test_patched_arguments_take_effect_without_rebuilding():
-    out, other = buffers.zeros(PROBE_BYTES, np.uint8), buffers.zeros(PROBE_BYTES, np.uint8)
+    out, other = buffers.zeros(ECHO_BYTES, np.uint8), buffers.zeros(ECHO_BYTES, np.uint8)
     plan = Plan(2)
-    handle = plan.add(PROBE, per_thread=[[out] + list(range(12)), None], float_args=[0.0, 0.0])
+    handle = plan.add(ECHO, per_thread=[[out] + list(range(12)), None], float_args=[0.0, 0.0])
     with WorkerPool(2) as pool:
         plan.run(pool)
-        assert probe_result(out)[0][3] == 3
+        assert echo_result(out)[0][3] == 3
         plan.set_int_arg(handle, 4, 2**64 - 1)
         plan.set_float_arg(handle, 1, 7.0)
         plan.run(pool)
-        ints, floats, _ = probe_result(out)
+        ints, floats, _ = echo_result(out)
         assert ints[3] == 2**64 - 1 and floats == (0.0, 7.0)
         plan.set_int_arg(handle, 0, [other, None])      # per thread; None leaves thread 1 idle
         plan.run(pool)
-        assert probe_result(other)[0][3] == 2**64 - 1
+        assert echo_result(other)[0][3] == 2**64 - 1
     assert plan.records["fn"][0, 1] == 0
 
 
 def test_the_plan_keeps_its_arrays_alive_until_replaced():
     plan = Plan(1)
-    out = buffers.zeros(PROBE_BYTES, np.uint8)
+    out = buffers.zeros(ECHO_BYTES, np.uint8)
     alive = weakref.ref(out)
-    handle = plan.add(PROBE, int_args=[out] + [0] * 12, float_args=[0, 0])
+    handle = plan.add(ECHO, int_args=[out] + [0] * 12, float_args=[0, 0])
     del out
     gc.collect()
     assert alive() is not None
-    plan.set_int_arg(handle, 0, buffers.zeros(PROBE_BYTES, np.uint8))
+    plan.set_int_arg(handle, 0, buffers.zeros(ECHO_BYTES, np.uint8))
     gc.collect()
     assert alive() is None
 
@@ -116,36 +116,36 @@ def test_split_range_covers_the_range_in_aligned_chunks(n, n_threads, multiple):
 
 
 def test_bad_arguments_raise_before_anything_runs():
-    out = buffers.zeros(PROBE_BYTES, np.uint8)
+    out = buffers.zeros(ECHO_BYTES, np.uint8)
     good = [out] + [0] * 12
     for bad in (0, -1, True, 2.0, "2"):
         with pytest.raises(ValueError, match="n_threads"):
             Plan(bad)
     plan = Plan(2)
     with pytest.raises(ValueError, match="int_args: the kernel takes 13"):
-        plan.add(PROBE, int_args=good[:-1], float_args=[0, 0])
+        plan.add(ECHO, int_args=good[:-1], float_args=[0, 0])
     with pytest.raises(ValueError, match="int_args: an op record holds at most 13"):
-        plan.add(PROBE, int_args=good + [0], float_args=[0, 0])
+        plan.add(ECHO, int_args=good + [0], float_args=[0, 0])
     with pytest.raises(ValueError, match="float_args: the kernel takes 2"):
-        plan.add(PROBE, int_args=good, float_args=[0])
+        plan.add(ECHO, int_args=good, float_args=[0])
     with pytest.raises(ValueError, match="float_args: expected a finite"):
-        plan.add(PROBE, int_args=good, float_args=[0, float("nan")])
+        plan.add(ECHO, int_args=good, float_args=[0, float("nan")])
     with pytest.raises(ValueError, match="per_thread: expected one entry per thread"):
-        plan.add(PROBE, per_thread=[good], float_args=[0, 0])
+        plan.add(ECHO, per_thread=[good], float_args=[0, 0])
     with pytest.raises(ValueError, match="either int_args"):
-        plan.add(PROBE, int_args=good, per_thread=[good, None], float_args=[0, 0])
+        plan.add(ECHO, int_args=good, per_thread=[good, None], float_args=[0, 0])
     with pytest.raises(ValueError, match=r"per_thread\[1\]: the kernel takes 13"):
-        plan.add(PROBE, per_thread=[good, good[:3]], float_args=[0, 0])
+        plan.add(ECHO, per_thread=[good, good[:3]], float_args=[0, 0])
     with pytest.raises(ValueError, match="does not fit in 64 bits"):
-        plan.add(PROBE, int_args=[out, 2**64] + [0] * 11, float_args=[0, 0])
+        plan.add(ECHO, int_args=[out, 2**64] + [0] * 11, float_args=[0, 0])
     with pytest.raises(ValueError, match="expected an integer or a numpy array"):
-        plan.add(PROBE, int_args=[out, 1.5] + [0] * 11, float_args=[0, 0])
+        plan.add(ECHO, int_args=[out, 1.5] + [0] * 11, float_args=[0, 0])
     with pytest.raises(ValueError, match="kernel: kernel llb_nope__avx2 is not in"):
         plan.add("llb_nope__avx2")
     with pytest.raises(ValueError, match="kernel: expected a kernel symbol"):
         plan.add(12345)
     assert plan.n_ops == 0                  # nothing half-added
-    handle = plan.add(PROBE, int_args=good, float_args=[0, 0])
+    handle = plan.add(ECHO, int_args=good, float_args=[0, 0])
     with pytest.raises(ValueError, match="handle"):
         plan.set_int_arg(handle + 1, 0, 0)
     with pytest.raises(ValueError, match="index: op 0 has integer arguments 0..12"):

@@ -153,5 +153,7 @@ def test_qgemm_rejects_bad_arguments(native):
         native.qgemm(qs, d, s, w, out, rows=(8, 8))
     with pytest.raises(ValueError, match="rows: expected a pair"):
         native.qgemm(qs, d, s, w, out, rows=8)
+    with pytest.raises(ValueError, match="rows: expected a pair of integers"):
+        native.qgemm(qs, d, s, w, out, rows=(0, 7.5))
     native.qgemm(qs, d, s, w, out)                   # and the process is fine
     np.testing.assert_array_equal(out, 0)

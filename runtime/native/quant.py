@@ -1,4 +1,9 @@
-"""Bindings: int8 activation quantization and quantized-weight GEMM (codegen/quant.py, codegen/qgemm.py)."""
+"""Bindings: int8 activation quantization and quantized-weight GEMM (codegen/quant.py, codegen/qgemm.py).
+
+``quantize_q8_call`` / ``qgemm_call`` validate like the bindings and return
+``(kernel symbol, integer arguments)`` instead of calling: what a plan
+(runtime/plan.py) records for a worker thread, e.g. one ``rows`` range each.
+"""
 import numpy as np
 
 from .. import validate as v
@@ -22,14 +27,18 @@ def _block_count(name, k):
 
 def quantize_q8(x, qs, d, s):
     """x f32 [m, k] -> qs int8 [m, k], d and s f32 [m, k/32] (GGUF Q8_0 blocks, s = d * sum(q))."""
+    symbol, args = quantize_q8_call(x, qs, d, s)
+    kernel(symbol)(*args)
+
+
+def quantize_q8_call(x, qs, d, s):
     v.array("x", x, np.float32, ndim=2)
     m, k = x.shape
     kb = _block_count("x", k)
     v.array("qs", qs, np.int8, (m, k), writable=True)
     v.array("d", d, np.float32, (m, kb), writable=True)
     v.array("s", s, np.float32, (m, kb), writable=True)
-    kernel("llb_quantize_q8_f32_32__avx2")(x.ctypes.data, qs.ctypes.data, d.ctypes.data, s.ctypes.data,
-                                           m * kb)
+    return "llb_quantize_q8_f32_32__avx2", [x.ctypes.data, qs.ctypes.data, d.ctypes.data, s.ctypes.data, m * kb]
 
 
 def _check_weight(w, k):
@@ -54,9 +63,12 @@ def _check_rows(rows, n):
     if rows is None:
         return 0, n
     try:
-        n0, n1 = (int(r) for r in rows)
+        n0, n1 = rows
     except (TypeError, ValueError):
-        raise ValueError(f"rows: expected a pair (n0, n1), got {rows!r}") from None
+        raise ValueError(f"rows: expected a pair of integers (n0, n1), got {rows!r}") from None
+    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in (n0, n1)):
+        raise ValueError(f"rows: expected a pair of integers (n0, n1), got {rows!r}")
+    n0, n1 = int(n0), int(n1)
     if not 0 <= n0 < n1 <= n:
         raise ValueError(f"rows: need 0 <= n0 < n1 <= {n}, got ({n0}, {n1})")
     if n0 % GROUP:
@@ -69,6 +81,11 @@ def qgemm(qs, d, s, w, out, rows=None):
 
     qs, d, s are quantize_q8's output (qs in [-127, 127]); w a q4_1 or q8_0 PackedWeight;
     out f32 [m, n]. Columns outside n0..n1 are not touched."""
+    symbol, args = qgemm_call(qs, d, s, w, out, rows)
+    kernel(symbol)(*args)
+
+
+def qgemm_call(qs, d, s, w, out, rows=None):
     v.array("qs", qs, np.int8, ndim=2)
     m, k = qs.shape
     kb = _block_count("qs", k)
@@ -78,6 +95,6 @@ def qgemm(qs, d, s, w, out, rows=None):
     v.array("out", out, np.float32, (m, w.n), writable=True)
     n0, n1 = _check_rows(rows, w.n)
     group0 = n0 // GROUP
-    kernel(f"llb_qgemm_{w.kind}_q8_{QGEMM_TILE}__avx2")(
-        quants[group0:].ctypes.data, scales[group0:].ctypes.data, qs.ctypes.data, d.ctypes.data,
-        s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n)
+    return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILE}__avx2", [
+        quants[group0].ctypes.data, scales[group0].ctypes.data, qs.ctypes.data, d.ctypes.data,
+        s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

@@ -118,6 +118,14 @@ def test_pack_rejects_bad_tensors():
         layouts.rows(w, [4])
 
 
+def misaligned(array):
+    """A copy of ``array`` that starts 16 bytes past a 32-byte boundary."""
+    raw = buffers.empty(array.nbytes + 16, np.uint8)[16:]
+    copy = raw.view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
 def test_qgemm_rejects_bad_arguments(native):
     m, n, k = 3, 10, 64
     w = layouts.pack("Q4_1", np.zeros((n, 40), np.uint8), n, k)
@@ -129,8 +137,11 @@ def test_qgemm_rejects_bad_arguments(native):
         native.qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)
     with pytest.raises(ValueError, match="d: expected shape"):
         native.qgemm(qs, buffers.zeros((m, 3)), s, w, out)
-    with pytest.raises(ValueError, match="s: data must be 32-byte aligned"):
-        native.qgemm(qs, d, buffers.zeros(2 * m + 1)[1:].reshape(m, 2), w, out)
+    with pytest.raises(ValueError, match="s: data must be 4-byte aligned"):
+        native.qgemm(qs, d, buffers.zeros(2 * m + 1).view(np.uint8)[2:2 + 8 * m].view(np.float32)
+                     .reshape(m, 2), w, out)
+    with pytest.raises(ValueError, match="w.qs: data must be 32-byte aligned"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))), out)
     with pytest.raises(ValueError, match="out: expected shape"):
         native.qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))
     with pytest.raises(ValueError, match="out: array must be C-contiguous"):
@@ -157,3 +168,17 @@ def test_qgemm_rejects_bad_arguments(native):
         native.qgemm(qs, d, s, w, out, rows=(0, 7.5))
     native.qgemm(qs, d, s, w, out)                   # and the process is fine
     np.testing.assert_array_equal(out, 0)
+
+
+@given(st.data(), st.sampled_from(["Q4_1", "Q8_0"]), st.integers(2, 9), st.integers(1, 30), st.sampled_from([32, 96]))
+def test_qgemm_on_row_slices(native, ref, data, type_name, m, n, k):
+    """Activations and outputs need only element alignment: the last token's row of a prefill
+    feeds the LM head without a copy."""
+    w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized_activations(native, data.draw, m, k)
+    first = data.draw(st.integers(1, m - 1))
+    got, want = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs[first:], d[first:], s[first:], w, got[first:])
+    ref.qgemm(qs[first:], d[first:], s[first:], w, want[first:])
+    assert np.isnan(got[:first]).all()
+    assert_close_to_reference(got[first:], want[first:], magnitude_bound(qs[first:], d[first:], w))

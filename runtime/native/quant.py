@@ -15,6 +15,7 @@ __all__ = ["quantize_q8", "qgemm"]
 BLOCK = 32
 GROUP = 8
 QGEMM_TILE = "6x8"
+ELEMENT_ALIGN = 4
 # per kind: (name and dtype of the quant array, name of the f16 scale array, scale rows per block)
 WEIGHT_ARRAYS = {"q4_1": (("qs", np.uint8), "dm", 2), "q8_0": (("qs", np.int8), "d", 1)}
 
@@ -79,20 +80,22 @@ def _check_rows(rows, n):
 def qgemm(qs, d, s, w, out, rows=None):
     """out[m, n0:n1] = dequant(qs, d) [m, k] . dequant(w)[n0:n1, k]^T; ``rows=(n0, n1)`` (n0 % 8 == 0).
 
-    qs, d, s are quantize_q8's output (qs in [-127, 127]); w a q4_1 or q8_0 PackedWeight;
-    out f32 [m, n]. Columns outside n0..n1 are not touched."""
+    qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a q4_1
+    or q8_0 PackedWeight; out f32 [m, n]. Columns outside n0..n1 are not touched."""
     symbol, args = qgemm_call(qs, d, s, w, out, rows)
     kernel(symbol)(*args)
 
 
 def qgemm_call(qs, d, s, w, out, rows=None):
-    v.array("qs", qs, np.int8, ndim=2)
+    # The kernel broadcasts activations and stores outputs unaligned, so row slices of
+    # them (e.g. the last token's row for the LM head) work; the weights need 32 bytes.
+    v.array("qs", qs, np.int8, ndim=2, align=ELEMENT_ALIGN)
     m, k = qs.shape
     kb = _block_count("qs", k)
-    v.array("d", d, np.float32, (m, kb))
-    v.array("s", s, np.float32, (m, kb))
+    v.array("d", d, np.float32, (m, kb), align=ELEMENT_ALIGN)
+    v.array("s", s, np.float32, (m, kb), align=ELEMENT_ALIGN)
     quants, scales = _check_weight(w, k)
-    v.array("out", out, np.float32, (m, w.n), writable=True)
+    v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = _check_rows(rows, w.n)
     group0 = n0 // GROUP
     return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILE}__avx2", [

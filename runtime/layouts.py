@@ -5,8 +5,9 @@ A ``PackedWeight`` is a matrix ``W[n, k]`` (n output rows, k inputs; GGUF's
 meaning depends on ``kind``:
 
     kind    arrays (see layout_quant.py / layout_float.py for the exact order)
-    q4_1    qs (interleaved nibbles), d (f32 scales), m (f32 mins)  -- Q4_0 and Q4_1 weights
-    q8_0    qs (interleaved int8), d (f32 scales)                    -- Q8_0 weights
+    q4_1    qs (nibbles, 8 rows interleaved 4 bytes at a time), dm (f16 scales, mins)
+            -- Q4_0 (as m = -8d) and Q4_1 weights
+    q8_0    qs (int8, 8 rows interleaved 4 bytes at a time), d (f16 scales) -- Q8_0 weights
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 

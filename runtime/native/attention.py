@@ -1,7 +1,10 @@
 """Binding: grouped-query causal attention over an f32 KV cache (decode and prefill).
 
 Threads split the work by query heads (``heads=(h0, h1)``); each thread passes
-its own scratch, allocated once with ``attention_scratch``.
+its own scratch, allocated once with ``attention_scratch``. ``attention_call``
+validates like ``attention`` and returns ``(kernel symbol, args)`` in the
+kernel's C argument order (the float ``scale`` last) for a plan: one call per
+thread, each with its own heads and scratch.
 """
 import functools
 
@@ -10,7 +13,7 @@ import numpy as np
 from .. import buffers
 from .. import validate as v
 from .. import library
-from ._lib import kernel
+from ._lib import checked_address, index_range, kernel
 
 __all__ = ["attention", "attention_scratch"]
 
@@ -21,6 +24,7 @@ SYMBOL = "llb_attention_f32__avx2"
 MAX_HEADS = 3
 LANES = 8
 F32_MAX = float(np.finfo(np.float32).max)
+F32 = np.dtype(np.float32)
 
 
 def scratch_floats(n_ctx):
@@ -38,12 +42,12 @@ def attention_scratch(n_ctx, m_max=1):
 
 
 @functools.lru_cache(maxsize=None)
-def _attention_kernel():
+def _check_tile():
+    """Once: the kernel in the library was built for the scratch layout this binding assumes."""
     entry = library.load("avx2").manifest.get(SYMBOL)
     if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
         raise library.KernelLibraryError(f"{SYMBOL} was built with tile {entry['tile']} but the binding "
                                          f"expects h{MAX_HEADS}: codegen and runtime disagree")
-    return kernel(SYMBOL)
 
 
 def _non_negative_int(name, value):
@@ -59,20 +63,6 @@ def _float32_scale(value):
     return value
 
 
-def _head_range(heads, n_head):
-    if heads is None:
-        return 0, n_head
-    try:
-        h0, h1 = heads
-    except (TypeError, ValueError):
-        raise ValueError(f"heads: expected a pair (h0, h1), got {heads!r}") from None
-    h0 = _non_negative_int("heads[0]", h0)
-    h1 = _non_negative_int("heads[1]", h1)
-    if not h0 < h1 <= n_head:
-        raise ValueError(f"heads: expected 0 <= h0 < h1 <= n_head={n_head}, got {heads!r}")
-    return h0, h1
-
-
 def _check_disjoint(written_name, written, others):
     for name, other in others:
         if np.may_share_memory(written, other):
@@ -85,30 +75,34 @@ def attention(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
     q, out: f32 [m, n_head, head_dim]; k_cache, v_cache: f32 [n_kv_head, n_ctx, head_dim]
     with rows 0 .. pos0+m-1 valid; scratch from ``attention_scratch(n_ctx, ...)``;
     heads=(h0, h1) computes only query heads h0..h1-1 (out's other heads are untouched)."""
-    v.array("q", q, np.float32, ndim=3)
+    symbol, args = attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads)
+    kernel(symbol)(*args)
+
+
+def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
+    _check_tile()
+    q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
-    v.array("k_cache", k_cache, np.float32, ndim=3)
+    k_at = checked_address("k_cache", k_cache, F32, ndim=3)
     n_kv_head, n_ctx, k_head_dim = k_cache.shape
     if k_head_dim != head_dim:
         raise ValueError(f"k_cache: head_dim {k_head_dim} differs from q's {head_dim}")
-    v.array("v_cache", v_cache, np.float32, k_cache.shape)
+    v_at = checked_address("v_cache", v_cache, F32, k_cache.shape)
     if n_head % n_kv_head:
         raise ValueError(f"k_cache: {n_kv_head} KV heads do not divide q's {n_head} query heads")
     pos0 = _non_negative_int("pos0", pos0)
     if pos0 + m > n_ctx:
         raise ValueError(f"pos0: pos0 + m = {pos0} + {m} exceeds the cache's n_ctx = {n_ctx}")
     scale = _float32_scale(scale)
-    v.array("out", out, np.float32, q.shape, writable=True)
-    v.array("scratch", scratch, np.float32, ndim=1, writable=True)
+    out_at = checked_address("out", out, F32, q.shape, writable=True)
+    scratch_at = checked_address("scratch", scratch, F32, ndim=1, writable=True)
     if scratch.size < scratch_floats(n_ctx):
         raise ValueError(f"scratch: {scratch.size} floats, need {scratch_floats(n_ctx)} for n_ctx={n_ctx}; "
                          f"allocate it with attention_scratch(n_ctx, m_max)")
-    h0, h1 = _head_range(heads, n_head)
+    h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
     inputs = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     _check_disjoint("out", out, inputs + [("scratch", scratch)])
     _check_disjoint("scratch", scratch, inputs)
     group = n_head // n_kv_head
-    _attention_kernel()(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, out.ctypes.data,
-                        scratch.ctypes.data, m, head_dim, n_head, group, n_ctx, pos0, h0, h1, h0 // group,
-                        scale)
-
+    return SYMBOL, [q_at, k_at, v_at, out_at, scratch_at, m, head_dim, n_head, group, n_ctx, pos0,
+                    h0, h1, h0 // group, scale]

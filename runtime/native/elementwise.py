@@ -1,110 +1,229 @@
-"""Bindings: elementwise and row-wise FP32 kernels.
+"""Bindings: elementwise and row-wise FP32 kernels, and the KV cache store.
 
 Elementwise ops take arrays of any shape (same shape for every operand).
 Row-wise ops (rmsnorm, softmax) work on the last axis, one kernel call for all
 rows. An output may be the very same array as an input (in place); an output
 that partly overlaps an input is refused, since the kernels would read values
 they already overwrote.
+
+Every op has an ``<op>_call`` twin that validates the same way and returns
+``(kernel symbol, args)`` in the kernel's C argument order (pointers and sizes
+as ints, float arguments as floats) instead of calling: what a plan
+(runtime/plan.py) records. Its split argument restricts the call to one
+thread's share: ``span=(i0, i1)``, an element range of the flattened arrays,
+for the elementwise ops (i0 a multiple of 16, so threads never write the same
+64-byte line); ``rows=(r0, r1)`` for the row-wise ops and RoPE (tokens);
+``heads=(h0, h1)`` for kv_store (KV heads). The ``_call`` functions are not in
+``__all__``: the backend namespaces hold the ops only.
 """
 import numpy as np
 
 from .. import validate as v
 from ..ref.elementwise import ROPE_STYLES, rope_tables
-from ._lib import kernel
+from ._lib import address, checked_address, index_range, kernel
 
-__all__ = ["add", "scale", "exp", "silu_mul", "rmsnorm", "softmax", "rope", "rope_tables"]
+__all__ = ["add", "scale", "exp", "silu_mul", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+FLOAT_BYTES = 4
+# Span starts are multiples of 16 floats: 64 bytes, one cache line of a 64-byte aligned buffer.
+SPAN_MULTIPLE = 16
+_SPAN_WHY = " (16 floats, a 64-byte cache line)"
 
 
 def _output(name, out, shape, inputs, disjoint=()):
     """Check ``out`` like an input, writable, and either identical to or disjoint from each
-    of ``inputs``, and disjoint from each of ``disjoint`` (inputs read again after out is written)."""
-    v.array(name, out, np.float32, shape, writable=True)
+    of ``inputs``, and disjoint from each of ``disjoint`` (inputs read again after out is written).
+    Returns its address."""
+    out_at = checked_address(name, out, F32, shape, writable=True)
     for input_name, array in inputs:
-        identical = array.ctypes.data == out.ctypes.data and array.shape == out.shape
-        if not identical and np.may_share_memory(array, out):
+        if array is out or not np.may_share_memory(array, out):
+            continue
+        if address(array) != out_at or array.shape != out.shape:
             raise ValueError(f"{name}: overlaps {input_name} without being the same array "
                              "(in place needs out to be exactly the input)")
     for input_name, array in disjoint:
         if np.may_share_memory(array, out):
             raise ValueError(f"{name}: overlaps {input_name}, which the kernel reads throughout")
-    return out
+    return out_at
 
 
 def _rows(name, x):
-    """Validate a row-wise input; returns (rows, row length)."""
-    v.array(name, x, np.float32)
+    """Validate a row-wise input; returns (its address, rows, row length)."""
+    x_at = checked_address(name, x, F32)
     if x.ndim < 1:
         raise ValueError(f"{name}: expected at least one dimension, got a scalar")
-    return x.size // x.shape[-1], x.shape[-1]
+    return x_at, x.size // x.shape[-1], x.shape[-1]
 
+
+def _span(span, n):
+    return index_range("span", span, n, labels=("i0", "i1"), multiple=SPAN_MULTIPLE, why=_SPAN_WHY)
+
+
+def _row_range(rows, n):
+    return index_range("rows", rows, n, labels=("r0", "r1"))
+
+
+def _check_positions(positions, n_ctx, what):
+    """Every position in [0, n_ctx) (``what`` names the rows they index)."""
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= n_ctx:
+        raise ValueError(f"positions: expected values in [0, {n_ctx}) ({what}), got {low}..{high}")
+
+
+# --------------------------------------------------------------------------- elementwise
 
 def add(a, b, out):
-    v.array("a", a, np.float32)
-    v.array("b", b, np.float32, a.shape)
-    _output("out", out, a.shape, [("a", a), ("b", b)])
-    kernel("llb_add_f32__avx2")(a.ctypes.data, b.ctypes.data, out.ctypes.data, a.size)
+    """out = a + b."""
+    symbol, args = add_call(a, b, out)
+    kernel(symbol)(*args)
+
+
+def add_call(a, b, out, span=None):
+    a_at = checked_address("a", a, F32)
+    b_at = checked_address("b", b, F32, a.shape)
+    out_at = _output("out", out, a.shape, [("a", a), ("b", b)])
+    i0, i1 = _span(span, a.size)
+    skip = FLOAT_BYTES * i0
+    return "llb_add_f32__avx2", [a_at + skip, b_at + skip, out_at + skip, i1 - i0]
 
 
 def scale(x, s, out):
     """out = x * s (s a Python float, rounded to float32)."""
-    v.array("x", x, np.float32)
+    symbol, args = scale_call(x, s, out)
+    kernel(symbol)(*args)
+
+
+def scale_call(x, s, out, span=None):
+    x_at = checked_address("x", x, F32)
     s = v.finite_float("s", s)
-    _output("out", out, x.shape, [("x", x)])
-    kernel("llb_scale_f32__avx2")(x.ctypes.data, s, out.ctypes.data, x.size)
+    out_at = _output("out", out, x.shape, [("x", x)])
+    i0, i1 = _span(span, x.size)
+    skip = FLOAT_BYTES * i0
+    return "llb_scale_f32__avx2", [x_at + skip, s, out_at + skip, i1 - i0]
 
 
 def exp(x, out):
     """out = exp(x); below ~-87 gives 0, above ~88.72 gives inf (see codegen/vmath.py)."""
-    v.array("x", x, np.float32)
-    _output("out", out, x.shape, [("x", x)])
-    kernel("llb_exp_f32__avx2")(x.ctypes.data, out.ctypes.data, x.size)
+    symbol, args = exp_call(x, out)
+    kernel(symbol)(*args)
+
+
+def exp_call(x, out, span=None):
+    x_at = checked_address("x", x, F32)
+    out_at = _output("out", out, x.shape, [("x", x)])
+    i0, i1 = _span(span, x.size)
+    skip = FLOAT_BYTES * i0
+    return "llb_exp_f32__avx2", [x_at + skip, out_at + skip, i1 - i0]
 
 
 def silu_mul(gate, up, out):
     """out = gate / (1 + exp(-gate)) * up: SwiGLU's SiLU(gate) * up."""
-    v.array("gate", gate, np.float32)
-    v.array("up", up, np.float32, gate.shape)
-    _output("out", out, gate.shape, [("gate", gate), ("up", up)])
-    kernel("llb_silu_mul_f32__avx2")(gate.ctypes.data, up.ctypes.data, out.ctypes.data, gate.size)
+    symbol, args = silu_mul_call(gate, up, out)
+    kernel(symbol)(*args)
 
+
+def silu_mul_call(gate, up, out, span=None):
+    gate_at = checked_address("gate", gate, F32)
+    up_at = checked_address("up", up, F32, gate.shape)
+    out_at = _output("out", out, gate.shape, [("gate", gate), ("up", up)])
+    i0, i1 = _span(span, gate.size)
+    skip = FLOAT_BYTES * i0
+    return "llb_silu_mul_f32__avx2", [gate_at + skip, up_at + skip, out_at + skip, i1 - i0]
+
+
+# --------------------------------------------------------------------------- row-wise
 
 def rmsnorm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for every row i of x [..., d]; w is [d]."""
-    rows, d = _rows("x", x)
-    v.array("w", w, np.float32, (d,))
+    symbol, args = rmsnorm_call(x, w, eps, out)
+    kernel(symbol)(*args)
+
+
+def rmsnorm_call(x, w, eps, out, rows=None):
+    x_at, n_rows, d = _rows("x", x)
+    w_at = checked_address("w", w, F32, (d,))
     eps = v.finite_float("eps", eps)
     if eps <= 0:
         raise ValueError(f"eps: expected a number > 0, got {eps!r}")
-    _output("out", out, x.shape, [("x", x)], disjoint=[("w", w)])
-    kernel("llb_rmsnorm_f32__avx2")(x.ctypes.data, w.ctypes.data, out.ctypes.data, rows, d, eps)
+    out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("w", w)])
+    r0, r1 = _row_range(rows, n_rows)
+    skip = FLOAT_BYTES * d * r0
+    return "llb_rmsnorm_f32__avx2", [x_at + skip, w_at, out_at + skip, r1 - r0, d, eps]
 
 
 def softmax(x, out):
     """Row-wise softmax over the last axis of x, max-subtracted; out may be x. -inf gives 0."""
-    rows, n = _rows("x", x)
-    _output("out", out, x.shape, [("x", x)])
-    kernel("llb_softmax_f32__avx2")(x.ctypes.data, out.ctypes.data, rows, n)
+    symbol, args = softmax_call(x, out)
+    kernel(symbol)(*args)
+
+
+def softmax_call(x, out, rows=None):
+    x_at, n_rows, n = _rows("x", x)
+    out_at = _output("out", out, x.shape, [("x", x)])
+    r0, r1 = _row_range(rows, n_rows)
+    skip = FLOAT_BYTES * n * r0
+    return "llb_softmax_f32__avx2", [x_at + skip, out_at + skip, r1 - r0, n]
 
 
 def rope(x, positions, cos, sin, style, out):
     """Rotary embedding of x [m, n_heads, head_dim] at positions [m], tables from rope_tables.
 
     out = x*cos[pos] + partner(x)*sin[pos], partner by ``style``; out may be x."""
+    symbol, args = rope_call(x, positions, cos, sin, style, out)
+    kernel(symbol)(*args)
+
+
+def rope_call(x, positions, cos, sin, style, out, rows=None):
+    """``rows=(t0, t1)``: tokens t0..t1-1 of x. The kernel reads the positions from
+    memory when it runs, so a plan may rewrite them between runs; it must keep
+    them within the tables (they are checked here, once)."""
     if style not in ROPE_STYLES:
         raise ValueError(f"style: expected one of {ROPE_STYLES}, got {style!r}")
-    v.array("x", x, np.float32, ndim=3)
+    x_at = checked_address("x", x, F32, ndim=3)
     m, n_heads, head_dim = x.shape
     if head_dim % 2:
         raise ValueError(f"x: head_dim (last dimension) must be even, got {head_dim}")
-    v.array("positions", positions, np.int32, (m,), align=4)
-    v.array("cos", cos, np.float32, (None, head_dim))
-    v.array("sin", sin, np.float32, cos.shape)
-    n_ctx = cos.shape[0]
-    low, high = int(positions.min()), int(positions.max())
-    if low < 0 or high >= n_ctx:
-        raise ValueError(f"positions: expected values in [0, {n_ctx}) (the tables' rows), "
-                         f"got {low}..{high}")
-    _output("out", out, x.shape, [("x", x)], disjoint=[("cos", cos), ("sin", sin)])
-    symbol = f"llb_rope_{style}_f32__avx2"
-    kernel(symbol)(x.ctypes.data, positions.ctypes.data, cos.ctypes.data, sin.ctypes.data,
-                   out.ctypes.data, m, n_heads, head_dim)
+    positions_at = checked_address("positions", positions, I32, (m,), align=4)
+    cos_at = checked_address("cos", cos, F32, (None, head_dim))
+    sin_at = checked_address("sin", sin, F32, cos.shape)
+    _check_positions(positions, cos.shape[0], "the tables' rows")
+    out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("cos", cos), ("sin", sin)])
+    t0, t1 = _row_range(rows, m)
+    skip = FLOAT_BYTES * n_heads * head_dim * t0
+    return f"llb_rope_{style}_f32__avx2", [x_at + skip, positions_at + 4 * t0, cos_at, sin_at,
+                                           out_at + skip, t1 - t0, n_heads, head_dim]
+
+
+# --------------------------------------------------------------------------- KV cache
+
+def kv_store(src, positions, cache, heads=None):
+    """cache[h, positions[i], :] = src[i, h, :] for every token i and KV head h (of heads=(h0, h1)).
+
+    src f32 [m, n_kv, head_dim] (this step's K or V, after RoPE); positions
+    int32 [m]; cache f32 [n_kv, n_ctx, head_dim]. Rows of the cache at other
+    positions, and heads outside h0..h1-1, are untouched. If two tokens share a
+    position the later one wins."""
+    symbol, args = kv_store_call(src, positions, cache, heads)
+    kernel(symbol)(*args)
+
+
+def kv_store_call(src, positions, cache, heads=None):
+    """The kernel reads the positions from memory when it runs, so a decode plan
+    built once stays valid as the position advances (write positions[0] before
+    each run). The positions are checked here, once: a plan must keep them in
+    [0, n_ctx) itself, since the kernel trusts them."""
+    src_at = checked_address("src", src, F32, ndim=3)
+    m, n_kv, head_dim = src.shape
+    positions_at = checked_address("positions", positions, I32, (m,), align=4)
+    cache_at = checked_address("cache", cache, F32, (n_kv, None, head_dim), writable=True)
+    n_ctx = cache.shape[1]
+    _check_positions(positions, n_ctx, "the cache's rows")
+    for name, array in (("src", src), ("positions", positions)):
+        if np.may_share_memory(array, cache):
+            raise ValueError(f"cache: overlaps {name}, which the kernel reads while writing the cache")
+    h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
+    return "llb_kv_store_f32__avx2", [src_at + FLOAT_BYTES * head_dim * h0, positions_at,
+                                      cache_at + FLOAT_BYTES * n_ctx * head_dim * h0,
+                                      m, h1 - h0, head_dim, n_kv * head_dim, n_ctx]

@@ -1,10 +1,21 @@
-"""Bindings: the float linear layer C[m, n] = A[m, k] . W[n, k]^T (codegen/gemm.py)."""
+"""Bindings: the float linear layer C[m, n] = A[m, k] . W[n, k]^T (codegen/gemm.py).
+
+``gemm_f32_calls`` / ``gemm_f16_calls`` validate like the ops and return the
+kernel calls the op makes, ``[(symbol, args), ...]`` in order, args in the
+kernel's C argument order; ``rows=(n0, n1)`` restricts them to one thread's
+output columns. Large products are cache-blocked into several calls (row
+blocks, and k blocks that add into out: a thread must run its calls in order).
+``gemm_f32_call`` / ``gemm_f16_call`` give the one call of a product that needs
+only one (decode always does) and refuse the others. ``matmul_nt`` packs its
+weight on every call, so it has no plan form: a plan packs once and uses
+``gemm_f32_call``.
+"""
 import numpy as np
 
 from .. import validate as v
 from ..layout_float import PANEL_ROWS, n_panels, pack
 from ..layouts import PackedWeight
-from ._lib import kernel
+from ._lib import checked_address, index_range, kernel
 
 __all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
 
@@ -19,17 +30,36 @@ ROW_TILE = 6            # codegen/gemm.py MR
 K_BLOCK = 4096
 M_BLOCK = 512
 
+F32 = np.dtype(np.float32)
 _SYMBOL = {"f32": "llb_gemm_f32_f32_6x16__avx2", "f16": "llb_gemm_f16_f32_6x16__avx2"}
 
 
 def gemm_f32(x, w, out, rows=None):
     """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "f32" (rows=(n0, n1), default all)."""
-    _gemm("f32", x, w, out, rows)
+    for symbol, args in gemm_f32_calls(x, w, out, rows):
+        kernel(symbol)(*args)
 
 
 def gemm_f16(x, w, out, rows=None):
     """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "f16" (rows=(n0, n1), default all)."""
-    _gemm("f16", x, w, out, rows)
+    for symbol, args in gemm_f16_calls(x, w, out, rows):
+        kernel(symbol)(*args)
+
+
+def gemm_f32_calls(x, w, out, rows=None):
+    return _gemm_calls("f32", x, w, out, rows)
+
+
+def gemm_f16_calls(x, w, out, rows=None):
+    return _gemm_calls("f16", x, w, out, rows)
+
+
+def gemm_f32_call(x, w, out, rows=None):
+    return _single_call("gemm_f32", _gemm_calls("f32", x, w, out, rows))
+
+
+def gemm_f16_call(x, w, out, rows=None):
+    return _single_call("gemm_f16", _gemm_calls("f16", x, w, out, rows))
 
 
 def matmul_nt(a, b, out):
@@ -37,10 +67,11 @@ def matmul_nt(a, b, out):
     v.array("b", b, np.float32, ndim=2, align=0)
     n, k = b.shape
     v.array("a", a, np.float32, (None, k))
-    _gemm("f32", a, pack("F32", b, n, k), out, None)
+    gemm_f32(a, pack("F32", b, n, k), out)
 
 
 def _check_weight(kind, w):
+    """Address of the weight's panels (validated)."""
     if not isinstance(w, PackedWeight):
         raise ValueError(f"w: expected a PackedWeight, got {type(w).__name__}")
     if w.kind != kind:
@@ -48,43 +79,32 @@ def _check_weight(kind, w):
     v.positive_int("w.n", w.n)
     v.positive_int("w.k", w.k)
     dtype = np.float32 if kind == "f32" else np.float16
-    return v.array("w.panels", w.arrays.get("panels"), dtype, (n_panels(w.n), w.k, PANEL_ROWS))
+    return checked_address("w.panels", w.arrays.get("panels"), dtype, (n_panels(w.n), w.k, PANEL_ROWS))
 
 
-def _check_columns(rows, n):
-    """(n0, n1) from ``rows``: a non-empty column range whose start begins a panel."""
-    if rows is None:
-        return 0, n
-    try:
-        n0, n1 = rows
-    except (TypeError, ValueError):
-        raise ValueError(f"rows: expected a pair (n0, n1), got {rows!r}") from None
-    for name, value in (("rows[0]", n0), ("rows[1]", n1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name}: expected an integer, got {value!r}")
-    if not 0 <= n0 < n1 <= n:
-        raise ValueError(f"rows: expected 0 <= n0 < n1 <= {n}, got {rows!r}")
-    if n0 % PANEL_ROWS:
-        raise ValueError(f"rows: n0 must be a multiple of {PANEL_ROWS} (a panel start), got {n0}")
-    return int(n0), int(n1)
-
-
-def _gemm(kind, x, w, out, rows):
-    panels = _check_weight(kind, w)
+def _gemm_calls(kind, x, w, out, rows):
+    panels_at = _check_weight(kind, w)
     n, k = w.n, w.k
-    v.array("x", x, np.float32, (None, k))
+    x_at = checked_address("x", x, F32, (None, k))
     m = x.shape[0]
-    v.array("out", out, np.float32, (m, n), writable=True)
-    n0, n1 = _check_columns(rows, n)
+    out_at = checked_address("out", out, F32, (m, n), writable=True)
+    n0, n1 = index_range("rows", rows, n, labels=("n0", "n1"), multiple=PANEL_ROWS, why=" (a panel start)")
 
     # A single row tile reads each weight once whatever the blocking: keep the stream whole.
     k_block = k if m <= ROW_TILE else K_BLOCK
-    run = kernel(_SYMBOL[kind])
+    weight_bytes = 2 if kind == "f16" else 4
     panel_stride = k * PANEL_ROWS
-    w_start = panels.ctypes.data + (n0 // PANEL_ROWS) * panel_stride * panels.itemsize
-    for m0 in range(0, m, M_BLOCK):
-        for k0 in range(0, k, k_block):
-            run(x.ctypes.data + (m0 * k + k0) * 4,
-                w_start + k0 * PANEL_ROWS * panels.itemsize,
-                out.ctypes.data + (m0 * n + n0) * 4,
-                k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride, int(k0 > 0))
+    w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
+    symbol = _SYMBOL[kind]
+    return [(symbol, [x_at + (m0 * k + k0) * 4,
+                      w_start + k0 * PANEL_ROWS * weight_bytes,
+                      out_at + (m0 * n + n0) * 4,
+                      k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride, int(k0 > 0)])
+            for m0 in range(0, m, M_BLOCK) for k0 in range(0, k, k_block)]
+
+
+def _single_call(op, calls):
+    if len(calls) != 1:
+        raise ValueError(f"x: this product is cache-blocked into {len(calls)} kernel calls "
+                         f"(m > {M_BLOCK}, or k > {K_BLOCK} with m > {ROW_TILE}); use {op}_calls")
+    return calls[0]

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
-                            JB, JAE, JE, JNE, JZ, JNZ, JMP,
+                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR,
                             VMOVUPS, VMOVAPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VANDPS,
                             VFMADD231PS, VADDPS, VSUBPS, VMULPS, VMULSS, VDIVPS, VMAXPS, VHADDPS,
                             VPERM2F128, VPERMILPS, VBLENDPS, VBLENDVPS, VEXTRACTF128)
@@ -65,7 +65,7 @@ SIGNATURE = [("q", "const float*"), ("k_cache", "const float*"), ("v_cache", "co
              ("out", "float*"), ("scratch", "float*"),
              ("m", "size_t"), ("head_dim", "size_t"), ("n_head", "size_t"), ("group", "size_t"),
              ("n_ctx", "size_t"), ("pos0", "size_t"), ("h0", "size_t"), ("h1", "size_t"),
-             ("kv0", "size_t"), ("scale", "float")]
+             ("scale", "float")]
 
 
 def gp():
@@ -535,8 +535,21 @@ def emit_setup(frame, args):
     scale = YMMRegister()
     LOAD.ARGUMENT(scale.as_xmm, by_name["scale"])
     VMOVSS(frame.scale, scale.as_xmm)
-    for name, slot in (("group", frame.group), ("h0", frame.h0), ("h1", frame.h1), ("kv0", frame.kv0)):
+    for name, slot in (("group", frame.group), ("h0", frame.h0), ("h1", frame.h1)):
         MOV(slot, load(name))
+    # kv0 = h0 // group by counting (no DIV: its implicit rax/rdx operands are
+    # invisible to PeachPy's register allocator); a plan record has room for
+    # 13 integer arguments, so the kernel derives this one itself.
+    kv0, group_start = gp(), gp()
+    XOR(kv0, kv0)
+    MOV(group_start, frame.group)
+    with Loop() as count_groups:
+        CMP(group_start, frame.h0)
+        JA(count_groups.end)
+        ADD(kv0, 1)
+        ADD(group_start, frame.group)
+        JMP(count_groups.begin)
+    MOV(frame.kv0, kv0)
 
     head_dim, t = load("head_dim"), gp()
     hd4 = gp()

@@ -46,9 +46,19 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = _check_threads(threads)
         self.backend = get_backend(backend)
-        self.net = LlamaModel(self.config, weights, self.backend, n_ctx)
+        self.net = LlamaModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
         self._cached = []            # token ids whose K/V are in the cache, in order
         self.load_s = time.perf_counter() - t0
+
+    def close(self):
+        """Stop the worker threads (also done at exit)."""
+        self.net.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- tokens ---------------------------------------------------------------
     def tokenize(self, text, add_special=True, parse_special=True):

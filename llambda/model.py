@@ -1,9 +1,18 @@
 """The LLaMA forward pass on llambda's kernels.
 
 Reads like the math (llama2.c's ``forward``): every buffer is allocated once
-in ``__init__``; ``forward`` only calls kernels. Prefill runs a whole chunk of
-prompt tokens through batched GEMMs; decode is the same code with m = 1.
+in ``__init__``; ``_blocks`` and ``_head`` only call ops. Prefill runs a whole
+chunk of prompt tokens through batched GEMMs; decode is the same code with
+m = 1.
+
+The ops go to one of two places. With the AVX2 backend, ``_blocks`` runs once
+per chunk size against a ``PlanRecorder``: the kernel calls of a whole chunk
+become a plan, split across the worker pool, that later runs with one native
+call per thread (only the position is patched between tokens). With the numpy
+backend the same code calls the reference ops directly.
 """
+import time
+
 import numpy as np
 
 from llambda.runtime import buffers, layouts
@@ -15,7 +24,7 @@ DEFAULT_BATCH = 128
 
 
 class LlamaModel:
-    def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH):
+    def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None):
         c = self.config = config
         self.backend = backend
         self.n_ctx = n_ctx
@@ -23,6 +32,7 @@ class LlamaModel:
         self.w = weights
         self.embedding = weights["token_embd.weight"]
         self.lm_head = self.embedding if c.tied_embeddings else weights["output.weight"]
+        self.output_norm = weights["output_norm.weight"]
         self.layers = [_LayerWeights(weights, i) for i in range(c.n_layer)]
 
         q_dim, kv_dim = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
@@ -46,6 +56,19 @@ class LlamaModel:
         self.linear = Linear(backend, max_batch, max(c.dim, c.ffn_dim, q_dim))
         self.att_scale = 1.0 / np.sqrt(c.head_dim)
 
+        # The plan path (AVX2): a pinned worker pool and one plan per (chunk size, with LM head).
+        self.pool = None
+        self._plans = {}
+        if backend.name == "avx2":
+            from llambda.runtime.pool import WorkerPool
+            self.pool = WorkerPool(threads)
+        self.threads = self.pool.n_threads if self.pool else 1
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- running --------------------------------------------------------------
     def forward(self, ids, pos0, all_logits=False):
         """Run tokens ``ids`` at positions pos0.. and return the logits of the last one
         (or of every one, [len(ids), vocab], when ``all_logits``)."""
@@ -54,25 +77,69 @@ class LlamaModel:
         rows = []
         for start in range(0, len(ids), self.max_batch):
             chunk = ids[start:start + self.max_batch]
-            self._forward_chunk(chunk, pos0 + start)
+            m = len(chunk)
+            last = start + m == len(ids)
+            self.x[:m] = layouts.rows(self.embedding, chunk)
+            self.positions[:m] = np.arange(pos0 + start, pos0 + start + m, dtype=np.int32)
+            with_head = last and not all_logits
+            if self.pool is not None:
+                recorder = self._plan(m, with_head)
+                recorder.set_pos0(pos0 + start)
+                self.pool.run(recorder.plan)
+            else:
+                self._blocks(self.backend, self.linear, m, pos0 + start)
+                if with_head:
+                    self._head(self.backend, self.linear, m)
             if all_logits:
-                rows.append(self._logits(len(chunk), all_rows=True))
-        if all_logits:
-            return np.concatenate(rows)
-        return self._logits(len(chunk))
+                out = buffers.empty((m, self.config.vocab_size))
+                self.backend.rmsnorm(self.x[:m], self.output_norm, self.config.rms_eps, self.xn[:m])
+                self.linear(self.xn[:m], self.lm_head, out)
+                rows.append(out)
+        return np.concatenate(rows) if all_logits else self.logits[0]
 
-    def _forward_chunk(self, ids, pos0):
-        c, be, lin = self.config, self.backend, self.linear
-        m = len(ids)
+    def _plan(self, m, with_head, pos0=0):
+        """The recorded plan of a chunk of ``m`` tokens (built once, then reused)."""
+        key = (m, with_head)
+        if key not in self._plans:
+            from llambda.runtime.recorder import PlanRecorder
+            rec = PlanRecorder(self.pool.n_threads, self.n_ctx, self.backend)
+            lin = self.linear.on(rec)
+            self._blocks(rec, lin, m, pos0)
+            if with_head:
+                self._head(rec, lin, m)
+            self._plans[key] = rec.finish()
+        return self._plans[key]
+
+    def profile(self, m, with_head=True, repeats=3):
+        """Time every op of the chunk plan for ``m`` tokens, one op at a time.
+
+        Returns a list of (OpInfo, seconds per run). The KV cache and activations are
+        scratch here: call it on a model you are not generating with."""
+        recorder = self._plan(m, with_head)
+        recorder.set_pos0(0)
+        plan, pool = recorder.plan, self.pool
+        times = np.zeros(plan.n_ops)
+        for _ in range(repeats):
+            for op in range(plan.n_ops):
+                one = _OneOp(plan, op)
+                t = time.perf_counter()
+                pool.run(one)
+                times[op] += time.perf_counter() - t
+        return list(zip(recorder.ops, times / repeats))
+
+    # -- the math ---------------------------------------------------------------
+    def _blocks(self, be, lin, m, pos0):
+        """Every transformer block over the chunk's m tokens (embeddings already in x)."""
+        c = self.config
         x, xn, proj = self.x[:m], self.xn[:m], self.proj[:m]
         q, k, v, att = self.q[:m], self.k[:m], self.v[:m], self.att[:m]
         gate, up = self.gate[:m], self.up[:m]
         positions = self.positions[:m]
-        positions[:] = np.arange(pos0, pos0 + m, dtype=np.int32)
         q_heads = q.reshape(m, c.n_head, c.head_dim)
         k_heads = k.reshape(m, c.n_kv_head, c.head_dim)
+        v_heads = v.reshape(m, c.n_kv_head, c.head_dim)
+        att_heads = att.reshape(m, c.n_head, c.head_dim)
 
-        x[:] = layouts.rows(self.embedding, ids)
         for layer, L in enumerate(self.layers):
             # attention block
             be.rmsnorm(x, L.attn_norm, c.rms_eps, xn)
@@ -82,10 +149,10 @@ class LlamaModel:
             lin.apply(L.wv, v)
             be.rope(q_heads, positions, self.rope_cos, self.rope_sin, c.rope_style, q_heads)
             be.rope(k_heads, positions, self.rope_cos, self.rope_sin, c.rope_style, k_heads)
-            self.k_cache[layer][:, pos0:pos0 + m, :] = k_heads.transpose(1, 0, 2)
-            self.v_cache[layer][:, pos0:pos0 + m, :] = v.reshape(m, c.n_kv_head, c.head_dim).transpose(1, 0, 2)
+            be.kv_store(k_heads, positions, self.k_cache[layer])
+            be.kv_store(v_heads, positions, self.v_cache[layer])
             be.attention(q_heads, self.k_cache[layer], self.v_cache[layer], pos0, self.att_scale,
-                         att.reshape(m, c.n_head, c.head_dim), self.att_scratch)
+                         att_heads, self.att_scratch)
             lin(att, L.wo, proj)
             be.add(x, proj, x)
             # feed-forward block (SwiGLU)
@@ -97,18 +164,20 @@ class LlamaModel:
             lin(gate, L.w_down, proj)
             be.add(x, proj, x)
 
-    def _logits(self, m, all_rows=False):
-        """Final norm and LM head for the last row of the chunk (or all rows)."""
-        c, be = self.config, self.backend
-        if all_rows:
-            out = buffers.empty((m, c.vocab_size))
-            be.rmsnorm(self.x[:m], self.w["output_norm.weight"], c.rms_eps, self.xn[:m])
-            self.linear(self.xn[:m], self.lm_head, out)
-            return out
-        last = self.x[m - 1:m]
-        be.rmsnorm(last, self.w["output_norm.weight"], c.rms_eps, self.xn[:1])
-        self.linear(self.xn[:1], self.lm_head, self.logits)
-        return self.logits[0]
+    def _head(self, be, lin, m):
+        """Final norm and LM head for the chunk's last token, into self.logits."""
+        c = self.config
+        be.rmsnorm(self.x[m - 1:m], self.output_norm, c.rms_eps, self.xn[:1])
+        lin(self.xn[:1], self.lm_head, self.logits)
+
+
+class _OneOp:
+    """One op of a plan, runnable on the pool by itself (for profiling)."""
+
+    def __init__(self, plan, op):
+        self.n_threads = plan.n_threads
+        self.n_ops = 1
+        self.address = plan.address + op * plan.n_threads * plan.records.itemsize
 
 
 class _LayerWeights:

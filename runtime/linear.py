@@ -23,6 +23,15 @@ class Linear:
         self._x = None
         self._act = None
 
+    def on(self, backend):
+        """The same layer (same quantization buffers) sending its ops to ``backend``,
+        e.g. a runtime.recorder.PlanRecorder."""
+        twin = Linear.__new__(Linear)
+        twin.__dict__.update(self.__dict__)
+        twin.backend = backend
+        twin._x = twin._act = None
+        return twin
+
     def load(self, x):
         """Set the activations [m, k] the next ``apply`` calls multiply."""
         self._x = x

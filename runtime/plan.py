@@ -162,6 +162,10 @@ class Plan:
             if word is not None:
                 self._write_int(handle, t, index, word)
 
+    def set_barrier(self, handle, barrier=True):
+        """Make every thread wait after op ``handle`` (or not)."""
+        self._records["barrier"][self._check_handle(handle)] = 1 if barrier else 0
+
     def set_float_arg(self, handle, index, value):
         """Patch float argument ``index`` of op ``handle`` (the same for every thread)."""
         _, n_float = self._arity[self._check_handle(handle)]

@@ -105,4 +105,4 @@ def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
     _check_disjoint("scratch", scratch, inputs)
     group = n_head // n_kv_head
     return SYMBOL, [q_at, k_at, v_at, out_at, scratch_at, m, head_dim, n_head, group, n_ctx, pos0,
-                    h0, h1, h0 // group, scale]
+                    h0, h1, scale]

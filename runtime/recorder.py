@@ -1,0 +1,174 @@
+"""A backend that records kernel calls into a Plan instead of making them.
+
+Model code runs its forward pass once against a ``PlanRecorder``: every op
+(``rmsnorm``, ``qgemm``, ``attention``, ...) is validated by its binding's
+``*_call`` twin, split across the pool's threads, and appended to a
+``runtime.plan.Plan``. Running the plan then costs one native call per thread.
+
+Splits: matrix products by output columns (16 at a time: one 64-byte line of
+f32), attention by heads (each thread with its own scratch), row-wise ops by
+rows, elementwise ops by elements. Ops too small to be worth splitting run on
+thread 0.
+
+Barriers are placed where data flows, not after every op: the recorder
+tracks the memory each op reads and writes since the last barrier and puts a
+barrier before an op that reads what another may still be writing, or writes
+what another may still be reading. Q, K and V projections of the same input,
+for example, run back to back without one.
+
+``positions``-reading ops (rope, kv_store) stay valid as the sequence grows;
+``attention``'s ``pos0`` is a plain argument, so the recorder remembers where
+it lives and ``set_pos0`` patches it in every record with one numpy write.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import library
+from .native import attention as n_attention
+from .native import elementwise as n_elementwise
+from .native import gemm as n_gemm
+from .native import quant as n_quant
+from .plan import Plan, split_range
+
+LINE = 16                 # f32 per 64-byte cache line: the unit of every split
+MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this run on thread 0
+
+
+@dataclass
+class OpInfo:
+    """What the profiler reports about one op of a plan."""
+    name: str
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+def _interval(a):
+    start = a.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+class PlanRecorder:
+    """Backend-shaped: record ``op(...)`` calls into ``self.plan`` for ``n_threads``."""
+
+    def __init__(self, n_threads, n_ctx, backend):
+        self.n_threads = n_threads
+        self.plan = Plan(n_threads)
+        self.ops = []                      # OpInfo per op handle
+        self._manifest = library.load().manifest
+        self._pos0_slots = ([], [])        # (op handles, int-arg index) of attention's pos0
+        self._pending_reads, self._pending_writes = [], []
+        self._scratch = [backend.attention_scratch(n_ctx, 1) for _ in range(n_threads)]
+        self.rope_tables = backend.rope_tables
+        self.attention_scratch = backend.attention_scratch
+
+    # -- recording ----------------------------------------------------------
+    def _add(self, calls, reads, writes, info):
+        """Append one op: ``calls`` is one ``(symbol, args)`` per thread (None: idle)."""
+        reads = [_interval(a) for a in reads]
+        writes = [_interval(a) for a in writes]
+        if self.plan.n_ops and (_overlaps(reads, self._pending_writes)
+                                or _overlaps(writes, self._pending_writes + self._pending_reads)):
+            self.plan.set_barrier(self.plan.n_ops - 1)
+            self._pending_reads, self._pending_writes = [], []
+        symbol, first_args = next(c for c in calls if c is not None)
+        kinds = [ctype for _, ctype in self._manifest[symbol]["args"]]
+        floats = [a for a, k in zip(first_args, kinds) if k == "float"]
+        per_thread = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]
+        handle = self.plan.add(symbol, float_args=floats, per_thread=per_thread, barrier=False)
+        self._pending_reads += reads
+        self._pending_writes += writes
+        self.ops.append(info)
+        return handle
+
+    def _serial(self, call):
+        return [call] + [None] * (self.n_threads - 1)
+
+    def _split(self, n, multiple, make_call, min_size=0):
+        """One call per thread over ``[0, n)`` in chunks of ``multiple``; thread 0 alone when small."""
+        if self.n_threads == 1 or n < max(min_size, 2 * multiple):
+            return self._serial(make_call((0, n)))
+        return [None if c is None else make_call(c) for c in split_range(n, self.n_threads, multiple)]
+
+    def finish(self):
+        """Close the plan: the executor ends every plan with a barrier anyway."""
+        if self.plan.n_ops:
+            self.plan.set_barrier(self.plan.n_ops - 1)
+        return self
+
+    def set_pos0(self, pos0):
+        handles, index = self._pos0_slots
+        if handles:
+            self.plan.records["int_args"][np.array(handles), :, np.array(index)] = pos0
+
+    # -- the ops (same signatures as the backends) ------------------------------
+    def rmsnorm(self, x, w, eps, out):
+        rows, d = int(np.prod(x.shape[:-1])), x.shape[-1]
+        calls = self._split(rows, 1, lambda r: n_elementwise.rmsnorm_call(x, w, eps, out, rows=r), min_size=8)
+        self._add(calls, [x, w], [out], OpInfo("rmsnorm", 3.0 * rows * d, 8.0 * rows * d))
+
+    def add(self, a, b, out):
+        calls = self._split(a.size, LINE, lambda s: n_elementwise.add_call(a, b, out, span=s), MIN_SPLIT_ELEMENTS)
+        self._add(calls, [a, b], [out], OpInfo("add", a.size, 12.0 * a.size))
+
+    def silu_mul(self, gate, up, out):
+        calls = self._split(gate.size, LINE, lambda s: n_elementwise.silu_mul_call(gate, up, out, span=s),
+                            MIN_SPLIT_ELEMENTS)
+        self._add(calls, [gate, up], [out], OpInfo("silu_mul", 6.0 * gate.size, 12.0 * gate.size))
+
+    def rope(self, x, positions, cos, sin, style, out):
+        m = x.shape[0]
+        calls = self._split(m, 1, lambda r: n_elementwise.rope_call(x, positions, cos, sin, style, out, rows=r),
+                            min_size=8)
+        self._add(calls, [x, positions, cos, sin], [out], OpInfo("rope", 3.0 * x.size, 16.0 * x.size))
+
+    def kv_store(self, src, positions, cache):
+        n_kv = src.shape[1]
+        calls = self._split(n_kv, 1, lambda h: n_elementwise.kv_store_call(src, positions, cache, heads=h),
+                            min_size=64 if src.shape[0] < 8 else 0)
+        self._add(calls, [src, positions], [cache], OpInfo("kv_store", 0, 8.0 * src.size))
+
+    def attention(self, q, k_cache, v_cache, pos0, scale, out, scratch):
+        m, n_head, hd = q.shape
+        chunks = split_range(n_head, self.n_threads) if self.n_threads > 1 else [(0, n_head)]
+        calls = [None if c is None else
+                 n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, self._scratch[t], heads=c)
+                 for t, c in enumerate(chunks)]
+        keys = pos0 + m                                     # at most, for the last query
+        info = OpInfo("attention", 4.0 * m * n_head * hd * (pos0 + (m + 1) / 2),
+                      8.0 * k_cache.shape[0] * keys * hd)
+        handle = self._add(calls, [q, k_cache, v_cache], [out], info)
+        int_names = [name for name, kind in self._manifest[calls[0][0]]["args"] if kind != "float"]
+        self._pos0_slots[0].append(handle)
+        self._pos0_slots[1].append(int_names.index("pos0"))
+
+    def quantize_q8(self, x, qs, d, s):
+        call = n_quant.quantize_q8_call(x, qs, d, s)
+        self._add(self._serial(call), [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
+
+    def qgemm(self, qs, d, s, w, out):
+        m = qs.shape[0]
+        calls = self._split(w.n, LINE, lambda r: n_quant.qgemm_call(qs, d, s, w, out, rows=r))
+        self._add(calls, [qs, d, s, *w.arrays.values()], [out],
+                  OpInfo(f"qgemm_{w.kind}", 2.0 * m * w.n * w.k, w.nbytes + qs.nbytes + 4.0 * out.size))
+
+    def gemm_f32(self, x, w, out):
+        self._gemm(n_gemm.gemm_f32_calls, "gemm_f32", x, w, out)
+
+    def gemm_f16(self, x, w, out):
+        self._gemm(n_gemm.gemm_f16_calls, "gemm_f16", x, w, out)
+
+    def _gemm(self, make_calls, name, x, w, out):
+        # A large product is several kernel calls per thread (m and k blocks), to be
+        # run in order: one op each, every thread on the same columns throughout.
+        per_thread = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r))
+        steps = len(next(c for c in per_thread if c is not None))
+        for step in range(steps):
+            calls = [None if c is None else c[step] for c in per_thread]
+            self._add(calls, [x, *w.arrays.values()], [out],
+                      OpInfo(name, 2.0 * x.shape[0] * w.n * w.k / steps,
+                             (w.nbytes + x.nbytes + 4.0 * out.size) / steps))
+
+
+def _overlaps(a, b):
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)

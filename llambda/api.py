@@ -143,14 +143,17 @@ class Model:
 
 
 def _check_threads(threads):
+    """--threads, else LLAMBDA_THREADS, else None (the pool's default: physical cores)."""
+    source = "--threads"
     if threads is None:
         threads = os.environ.get("LLAMBDA_THREADS")
         if threads is None:
             return None
+        source = "LLAMBDA_THREADS"
         try:
             threads = int(threads)
         except ValueError:
             raise UserError(f"LLAMBDA_THREADS: expected a positive integer, got {threads!r}") from None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise UserError(f"--threads: expected a positive integer, got {threads!r}")
+        raise UserError(f"{source}: expected a positive integer, got {threads!r}")
     return threads

@@ -138,7 +138,8 @@ class PlanRecorder:
         info = OpInfo("attention", 4.0 * m * n_head * hd * (pos0 + (m + 1) / 2),
                       8.0 * k_cache.shape[0] * keys * hd)
         handle = self._add(calls, [q, k_cache, v_cache], [out], info)
-        int_names = [name for name, kind in self._manifest[calls[0][0]]["args"] if kind != "float"]
+        symbol = next(c[0] for c in calls if c is not None)
+        int_names = [name for name, kind in self._manifest[symbol]["args"] if kind != "float"]
         self._pos0_slots[0].append(handle)
         self._pos0_slots[1].append(int_names.index("pos0"))
 

@@ -71,9 +71,12 @@ def _measure_llamacpp(gguf_path, threads, n_ctx):
         llm.eval(ids)
         out[f"prefill{n}_s"] = time.perf_counter() - t
     out["ttft_s"] = out[f"prefill{PROMPT_SIZES[0]}_s"]
+    def last_logits():
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+
     t = time.perf_counter()
     for _ in range(GEN_TOKENS):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = int(np.argmax(last_logits()))     # greedy, like the llambda side
         llm.eval([nxt])
     out["decode_s"] = time.perf_counter() - t
     return out
@@ -86,8 +89,21 @@ def child_main(argv):
         out = _measure_llambda(model, threads, n_ctx)
     else:
         out = _measure_llamacpp(gguf, threads, n_ctx)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(out))
+
+
+def _peak_rss_mb():
+    """This process's peak resident set. VmHWM belongs to the address space made at
+    exec; getrusage's ru_maxrss would also count the parent's peak before the exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- the driver --------------------------------------------------------------------
@@ -109,19 +125,22 @@ def _have_llamacpp():
 
 
 def _model_costs(model_path):
-    """Bytes of weights read per decoded token and FLOPs per token, from the file."""
+    """Bytes of weights read per decoded token, and matrix FLOPs per prompt token
+    (the LM head runs once per prompt, not per token), from the file."""
     from .convert import load_model_file
-    config, _, weights = load_model_file(model_path)
     from llambda.runtime.layouts import PackedWeight
+    config, _, weights = load_model_file(model_path)
     read = flops = 0
     for name, w in weights.items():
-        if isinstance(w, PackedWeight):
-            if name == "token_embd.weight" and not config.tied_embeddings:
-                continue                       # only one row is read per token
+        if not isinstance(w, PackedWeight):
             read += w.nbytes
+            continue
+        is_lm_head = name == "output.weight" or (name == "token_embd.weight" and config.tied_embeddings)
+        if name == "token_embd.weight" and not config.tied_embeddings:
+            continue                       # only one embedding row is read per token
+        read += w.nbytes
+        if not is_lm_head:
             flops += 2 * w.n * w.k
-        else:
-            read += w.nbytes
     return config, read, flops
 
 

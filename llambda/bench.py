@@ -31,30 +31,30 @@ def _random_prompt(vocab, n, seed=0):
     return rng.integers(min(1000, vocab // 4), vocab - 10, n).tolist()
 
 
-def _measure_llambda(model_path, threads, n_ctx):
+def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens):
     import llambda
     t = time.perf_counter()
     m = llambda.load(model_path, n_ctx=n_ctx, threads=threads, progress=False)
     load_s = time.perf_counter() - t
     vocab = m.config.vocab_size
     out = dict(load_s=load_s)
-    for n in PROMPT_SIZES:
+    for n in prompt_sizes:
         ids = _random_prompt(vocab, n)
         m.logits(ids[:1])                       # empty the cache; warm
         t = time.perf_counter()
         logits = m.evaluate(ids)
         out[f"prefill{n}_s"] = time.perf_counter() - t
-    out["ttft_s"] = out[f"prefill{PROMPT_SIZES[0]}_s"]
+    out["ttft_s"] = out[f"prefill{prompt_sizes[0]}_s"]
     history = list(ids)
     t = time.perf_counter()
-    for _ in range(GEN_TOKENS):
+    for _ in range(gen_tokens):
         history.append(int(np.argmax(logits)))
         logits = m.evaluate(history)
     out["decode_s"] = time.perf_counter() - t
     return out
 
 
-def _measure_llamacpp(gguf_path, threads, n_ctx):
+def _measure_llamacpp(gguf_path, threads, n_ctx, prompt_sizes, gen_tokens):
     import llama_cpp
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
@@ -62,7 +62,7 @@ def _measure_llamacpp(gguf_path, threads, n_ctx):
     load_s = time.perf_counter() - t
     vocab = llm.n_vocab()
     out = dict(load_s=load_s)
-    for n in PROMPT_SIZES:
+    for n in prompt_sizes:
         ids = _random_prompt(vocab, n)
         llm.reset()
         llm.eval(ids[:1])
@@ -70,12 +70,13 @@ def _measure_llamacpp(gguf_path, threads, n_ctx):
         t = time.perf_counter()
         llm.eval(ids)
         out[f"prefill{n}_s"] = time.perf_counter() - t
-    out["ttft_s"] = out[f"prefill{PROMPT_SIZES[0]}_s"]
+    out["ttft_s"] = out[f"prefill{prompt_sizes[0]}_s"]
+
     def last_logits():
         return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
 
     t = time.perf_counter()
-    for _ in range(GEN_TOKENS):
+    for _ in range(gen_tokens):
         nxt = int(np.argmax(last_logits()))     # greedy, like the llambda side
         llm.eval([nxt])
     out["decode_s"] = time.perf_counter() - t
@@ -83,12 +84,11 @@ def _measure_llamacpp(gguf_path, threads, n_ctx):
 
 
 def child_main(argv):
-    engine, model, gguf, threads, n_ctx = argv
-    threads, n_ctx = int(threads), int(n_ctx)
-    if engine == "llambda":
-        out = _measure_llambda(model, threads, n_ctx)
-    else:
-        out = _measure_llamacpp(gguf, threads, n_ctx)
+    engine, model, gguf, threads, n_ctx, prompt_sizes, gen_tokens = argv
+    threads, n_ctx, gen_tokens = int(threads), int(n_ctx), int(gen_tokens)
+    prompt_sizes = [int(n) for n in prompt_sizes.split(",")]
+    measure = _measure_llambda if engine == "llambda" else _measure_llamacpp
+    out = measure(model if engine == "llambda" else gguf, threads, n_ctx, prompt_sizes, gen_tokens)
     out["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(out))
 
@@ -107,10 +107,10 @@ def _peak_rss_mb():
 
 
 # -- the driver --------------------------------------------------------------------
-def _run_child(engine, model, gguf, threads, n_ctx):
-    env = dict(os.environ)
+def _run_child(engine, model, gguf, threads, n_ctx, prompt_sizes=PROMPT_SIZES, gen_tokens=GEN_TOKENS):
     proc = subprocess.run([sys.executable, "-m", "llambda.bench", "--child", engine, str(model), str(gguf),
-                           str(threads), str(n_ctx)], capture_output=True, text=True, env=env)
+                           str(threads), str(n_ctx), ",".join(map(str, prompt_sizes)), str(gen_tokens)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} benchmark failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -144,7 +144,7 @@ def _model_costs(model_path):
     return config, read, flops
 
 
-def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout):
+def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS):
     from . import convert, default_model
     from llambda.runtime import ceilings
     gguf = default_model.gguf_path() if model is None else model
@@ -164,19 +164,55 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
         for t in threads:
             for e in engines:
                 print(f"[bench] {e} threads={t} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
-                results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx))
+                results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx, gen_tokens=gen_tokens))
 
-    rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks)
+    rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens)
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
                   ceilings=dict(fma_gflops_per_core=peaks["fma"], int8_gops_per_core=peaks["int8"],
                                 read_gbs=peaks["bw"]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
+                  gen_tokens=gen_tokens,
                   n_ctx=n_ctx, rows=rows)
     if as_json:
         print(json.dumps(report, indent=1), file=out)
     else:
         print(_markdown(report, engines, threads), file=out)
     return report
+
+
+SWEEP_CONTEXTS = (128, 512, 1024, 2048, 4096)
+SWEEP_TOKENS = 32
+
+
+def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
+    """Decode speed as the context grows (attention reads the whole KV cache per token)."""
+    from . import convert, default_model
+    gguf = default_model.gguf_path() if model is None else model
+    model_path = convert.ensure_converted(gguf)
+    engines = ENGINES if _have_llamacpp() else ENGINES[:1]
+    rows = []
+    for ctx in SWEEP_CONTEXTS:
+        row = dict(context=ctx)
+        for e in engines:
+            runs = [_run_child(e, model_path, gguf, threads, ctx + SWEEP_TOKENS + 8, (ctx,), SWEEP_TOKENS)
+                    for _ in range(repeats)]
+            row[e] = statistics.median(SWEEP_TOKENS / r["decode_s"] for r in runs)
+            row[e + " prefill"] = statistics.median(ctx / r[f"prefill{ctx}_s"] for r in runs)
+        rows.append(row)
+        print(f"[bench] context {ctx} done", file=sys.stderr, flush=True)
+    lines = [f"Decode tok/s after a prompt of N tokens ({SWEEP_TOKENS} tokens decoded), {threads} thread(s), "
+             f"median of {repeats}", "",
+             "| context | " + " | ".join(f"{e} decode" for e in engines) + " | "
+             + " | ".join(f"{e} prefill" for e in engines) + (" | decode ratio |" if len(engines) > 1 else " |"),
+             "|" + "---|" * (1 + 2 * len(engines) + (len(engines) > 1))]
+    for r in rows:
+        line = f"| {r['context']} | " + " | ".join(f"{r[e]:.1f}" for e in engines) + " | " \
+            + " | ".join(f"{r[e + ' prefill']:.1f}" for e in engines)
+        if len(engines) > 1:
+            line += f" | {r['llambda'] / r['llama.cpp']:.2f}x"
+        lines.append(line + " |")
+    print("\n".join(lines), file=out)
+    return rows
 
 
 def _machine():
@@ -192,7 +228,7 @@ def _stat(values):
     return dict(median=statistics.median(values), min=min(values), max=max(values))
 
 
-def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks):
+def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens):
     rows = []
     for t in threads:
         for e in engines:
@@ -200,7 +236,7 @@ def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peak
             row = dict(engine=e, threads=t)
             for n in PROMPT_SIZES:
                 row[f"prefill{n}_tok_s"] = _stat([n / r[f"prefill{n}_s"] for r in runs])
-            row["decode_tok_s"] = _stat([GEN_TOKENS / r["decode_s"] for r in runs])
+            row["decode_tok_s"] = _stat([gen_tokens / r["decode_s"] for r in runs])
             row["ttft_ms"] = _stat([1000 * r["ttft_s"] for r in runs])
             row["load_ms"] = _stat([1000 * r["load_s"] for r in runs])
             row["peak_rss_mb"] = _stat([r["peak_rss_mb"] for r in runs])
@@ -222,7 +258,7 @@ def _markdown(report, engines, threads):
              + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
              f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token", ""]
     metrics = [("prefill128_tok_s", "prefill 128 (tok/s)", True), ("prefill512_tok_s", "prefill 512 (tok/s)", True),
-               ("decode_tok_s", f"decode {GEN_TOKENS} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
+               ("decode_tok_s", f"decode {report['gen_tokens']} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
                ("load_ms", "load (ms)", False), ("peak_rss_mb", "peak RSS (MB)", False)]
     header = "| metric | threads | " + " | ".join(engines) + (" | llambda / llama.cpp |" if len(engines) > 1 else " |")
     lines += [header, "|" + "---|" * (len(engines) + 2 + (len(engines) > 1))]

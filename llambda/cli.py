@@ -155,6 +155,10 @@ def cmd_bench(args):
         raise UserError(f"--threads: expected a comma-separated list of integers, got {args.threads!r}") from None
     if any(t < 1 for t in threads):
         raise UserError(f"--threads: every thread count must be >= 1, got {args.threads!r}")
+    if args.sweep:
+        for t in threads:
+            bench.run_sweep(args.model, threads=t, repeats=args.repeats)
+        return 0
     bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx, as_json=args.json)
     return 0
 
@@ -201,6 +205,7 @@ def build_parser():
     bench.add_argument("--repeats", type=_positive_int("--repeats"), default=3, metavar="N")
     bench.add_argument("--ctx", type=_positive_int("--ctx"), default=1024, metavar="N")
     bench.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
+    bench.add_argument("--sweep", action="store_true", help="decode speed at contexts 128..4096 instead")
     bench.set_defaults(func=cmd_bench)
 
     fetch = sub.add_parser("fetch", help="download and convert the default model into the cache")

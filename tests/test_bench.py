@@ -1,0 +1,40 @@
+"""`llambda bench` end to end on a tiny model (speed itself is never asserted)."""
+import io
+import json
+
+import pytest
+
+from llambda import bench
+from llambda.synth import write_random_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    write_random_llama(path, n_layer=1, dim=64, n_head=2, n_kv_head=1, ffn_dim=64, vocab_size=2000,
+                       tensor_type="Q4_0", n_ctx=2048)
+    return path
+
+
+def test_bench_reports_every_figure(tiny):
+    out = io.StringIO()
+    report = bench.run(str(tiny), threads=(1, 2), repeats=1, n_ctx=1024, as_json=True, out=out, gen_tokens=8)
+    parsed = json.loads(out.getvalue())
+    assert parsed["rows"] == json.loads(json.dumps(report["rows"]))
+    llambda_rows = [r for r in parsed["rows"] if r["engine"] == "llambda"]
+    assert [r["threads"] for r in llambda_rows] == [1, 2]
+    for row in llambda_rows:
+        for key in ("prefill128_tok_s", "prefill512_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mb"):
+            assert row[key]["min"] <= row[key]["median"] <= row[key]["max"]
+            assert row[key]["median"] > 0
+    assert parsed["ceilings"]["fma_gflops_per_core"] > 0
+
+    table = bench._markdown(report, [r["engine"] for r in parsed["rows"] if r["threads"] == 1], (1, 2))
+    assert "| decode 8 (tok/s) | 2 |" in table
+
+
+def test_bench_rejects_a_converted_file(tiny, tmp_path):
+    from llambda import convert
+    llb = convert.convert(tiny, tmp_path / "tiny.llb", progress=False)
+    with pytest.raises(SystemExit, match="must be a GGUF"):
+        bench.run(str(llb), threads=(1,), repeats=1)

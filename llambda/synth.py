@@ -20,6 +20,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QType
 
+from .tokenizer import byte_level_alphabet
+
 __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -283,23 +285,6 @@ _CHATML_TEMPLATE = (
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_UNUSED = 1, 3, 5
 
 
-def gpt2_byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters (space -> 'Ġ').
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are moved
-    to code points 256 and up, in byte order.
-    """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    mapping = {byte: chr(byte) for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in mapping:
-            mapping[byte] = chr(256 + shifted)
-            shifted += 1
-    return mapping
-
-
 def minimal_vocab_size() -> int:
     """The smallest vocab_size the built-in tokenizer fits in."""
     return len(_SPECIAL_TOKENS) + 256 + len(_MERGES)
@@ -309,7 +294,7 @@ def _minimal_tokenizer(vocab_size: int) -> _Tokenizer:
     if vocab_size < minimal_vocab_size():
         raise ValueError(f"vocab_size ({vocab_size}) must be >= {minimal_vocab_size()} for the "
                          "built-in byte-level tokenizer (or pass tokenizer_from)")
-    byte_tokens = [gpt2_byte_to_unicode()[byte] for byte in range(256)]
+    byte_tokens = [byte_level_alphabet()[byte] for byte in range(256)]
     merged_tokens = [left + right for left, right in _MERGES]
     tokens = list(_SPECIAL_TOKENS) + byte_tokens + merged_tokens
     token_types = [_TOKEN_CONTROL] * len(_SPECIAL_TOKENS) + [_TOKEN_NORMAL] * (256 + len(_MERGES))

@@ -83,7 +83,7 @@ _WHOLE_WORD_FIRST = {"llama3"}
 _ADDS_BOS_BY_DEFAULT = {"llama3"}
 
 
-def _byte_level_alphabet():
+def byte_level_alphabet():
     """GPT-2's reversible map from the 256 byte values to printable characters.
 
     Bytes that are printable Latin-1 stand for themselves; the rest (controls,
@@ -100,7 +100,7 @@ def _byte_level_alphabet():
     return byte_to_char
 
 
-_CHAR_TO_BYTE = str.maketrans({char: chr(b) for b, char in _byte_level_alphabet().items()})
+_CHAR_TO_BYTE = str.maketrans({char: chr(b) for b, char in byte_level_alphabet().items()})
 
 # Tokens that end a turn, recognised by text as llama.cpp does (GGUF files rarely
 # carry an id for them).

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import validate as v
 from ..layouts import PackedWeight
-from ._lib import kernel
+from ._lib import index_range, kernel
 
 __all__ = ["quantize_q8", "qgemm"]
 
@@ -60,23 +60,6 @@ def _check_weight(w, k):
     return quants, scales
 
 
-def _check_rows(rows, n):
-    if rows is None:
-        return 0, n
-    try:
-        n0, n1 = rows
-    except (TypeError, ValueError):
-        raise ValueError(f"rows: expected a pair of integers (n0, n1), got {rows!r}") from None
-    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in (n0, n1)):
-        raise ValueError(f"rows: expected a pair of integers (n0, n1), got {rows!r}")
-    n0, n1 = int(n0), int(n1)
-    if not 0 <= n0 < n1 <= n:
-        raise ValueError(f"rows: need 0 <= n0 < n1 <= {n}, got ({n0}, {n1})")
-    if n0 % GROUP:
-        raise ValueError(f"rows: n0 = {n0} must be a multiple of the row group ({GROUP})")
-    return n0, n1
-
-
 def qgemm(qs, d, s, w, out, rows=None):
     """out[m, n0:n1] = dequant(qs, d) [m, k] . dequant(w)[n0:n1, k]^T; ``rows=(n0, n1)`` (n0 % 8 == 0).
 
@@ -96,7 +79,7 @@ def qgemm_call(qs, d, s, w, out, rows=None):
     v.array("s", s, np.float32, (m, kb), align=ELEMENT_ALIGN)
     quants, scales = _check_weight(w, k)
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
-    n0, n1 = _check_rows(rows, w.n)
+    n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
     return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILE}__avx2", [
         quants[group0].ctypes.data, scales[group0].ctypes.data, qs.ctypes.data, d.ctypes.data,

@@ -52,15 +52,18 @@ def source_key():
     return digest.hexdigest()[:16]
 
 
-def emit_all(isas=("avx2",)):
-    """Import every family and collect its kernels (PeachPy functions, not yet encoded)."""
+def emit_all(isas=("avx2", "avx512")):
+    """Import every family and collect its kernels (PeachPy functions, not yet encoded).
+
+    A family emits for the ISAs it lists in ``ISAS`` (default: the AVX2 baseline only)."""
     kernels = []
     for name in family_names():
         module = importlib.import_module(f"{__package__}.{name}")
         if not hasattr(module, "emit"):
             continue
         for isa in isas:
-            kernels.extend(module.emit(isa))
+            if isa in getattr(module, "ISAS", ("avx2",)):
+                kernels.extend(module.emit(isa))
     seen = set()
     for k in kernels:
         if k.symbol in seen:
@@ -69,7 +72,7 @@ def emit_all(isas=("avx2",)):
     return kernels
 
 
-def build(directory, isas=("avx2",)):
+def build(directory, isas=("avx2", "avx512")):
     """Generate, assemble and link the kernel library into ``directory``.
 
     Returns the manifest (a list of dicts, one per kernel)."""

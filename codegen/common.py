@@ -14,6 +14,9 @@ from peachpy.x86_64 import Function, uarch
 # The ISAs we emit for. AVX2+FMA(+F16C) is the baseline every kernel has.
 ISAS = {
     "avx2": dict(target=uarch.haswell, cpu_flags=("avx2", "fma", "f16c")),
+    # Optional wider variants, used only when the CPU has them (runtime/cpu.py).
+    "avx512": dict(target=uarch.cannonlake, cpu_flags=("avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                                       "avx512dq", "avx512vl")),
 }
 
 # C types a kernel argument may have, by the names used in the manifest.

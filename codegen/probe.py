@@ -1,6 +1,8 @@
 """Machine-ceiling probes: the benchmarks measure peaks with our own instructions.
 
-    llb_probe_fma__avx2(iters)        12 independent vfmadd231ps chains: 16 FLOP each
+    llb_probe_fma__avx2(iters)        12 independent vfmadd231ps ymm chains: 16 FLOP each
+    llb_probe_fma__avx512(iters)      the same with zmm registers: 32 FLOP each (some CPUs run
+                                      512-bit FMAs at full rate; called only when the CPU has AVX-512)
     llb_probe_int8__avx2(iters)       12 independent vpmaddubsw+vpmaddwd pairs: 64 int ops each
     llb_probe_read__avx2(buf, bytes, reps)   streams buf with aligned ymm loads (read bandwidth)
 
@@ -8,11 +10,13 @@ Twelve chains hide the 4-cycle latency on two FMA ports. Nothing is stored,
 so the result registers are discarded; the loops are what is timed.
 """
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, RETURN, SUB, JNZ, ADD, MOV,
-                            VXORPS, VFMADD231PS, VPMADDUBSW, VPMADDWD, VPADDD, VMOVAPS, VPXOR)
+                            VXORPS, VFMADD231PS, VPMADDUBSW, VPMADDWD, VPADDD, VMOVAPS, VPXOR, VPXORD,
+                            ZMMRegister)
 
 from .common import Kernel, function, symbol
 
 CHAINS = 12
+ISAS = ("avx2", "avx512")
 
 
 def emit_fma(isa):
@@ -25,6 +29,25 @@ def emit_fma(isa):
         a, b = YMMRegister(), YMMRegister()
         for r in acc + [a, b]:
             VXORPS(r, r, r)
+        with Loop() as loop:
+            for r in acc:
+                VFMADD231PS(r, a, b)
+            SUB(n, 1)
+            JNZ(loop.begin)
+        RETURN()
+    return Kernel(fn, "probe", isa, tile=str(CHAINS), args=sig)
+
+
+def emit_fma_zmm(isa):
+    sig = [("iters", "size_t")]
+    fn, (iters,) = function(symbol("probe", "fma", "", isa), sig, isa)
+    with fn:
+        n = GeneralPurposeRegister64()
+        LOAD.ARGUMENT(n, iters)
+        acc = [ZMMRegister() for _ in range(CHAINS)]
+        a, b = ZMMRegister(), ZMMRegister()
+        for r in acc + [a, b]:
+            VPXORD(r, r, r)
         with Loop() as loop:
             for r in acc:
                 VFMADD231PS(r, a, b)
@@ -84,4 +107,6 @@ def emit_read(isa):
 
 
 def emit(isa):
+    if isa == "avx512":
+        return [emit_fma_zmm(isa)]
     return [emit_fma(isa), emit_int8(isa), emit_read(isa)]

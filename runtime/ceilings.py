@@ -25,11 +25,17 @@ def _best_rate(fn, work, repeats=5):
     return best
 
 
-def fma_peak_gflops():
+def fma_peak_gflops(isa="avx2"):
+    """FP32 FMA peak of one core with ymm ("avx2") or zmm ("avx512") registers;
+    None when the CPU lacks that ISA."""
+    from . import cpu
+    if not cpu.supports(isa):
+        return None
     lib = load()
     iters = 20_000_000
-    f = lib.fn("llb_probe_fma__avx2")
-    return _best_rate(lambda: f(iters), iters * FMA_FLOP_PER_ITER) / 1e9
+    f = lib.fn(f"llb_probe_fma__{isa}")
+    width = 2 if isa == "avx512" else 1
+    return _best_rate(lambda: f(iters), iters * FMA_FLOP_PER_ITER * width) / 1e9
 
 
 def int8_peak_gops():

@@ -1,7 +1,8 @@
 """CPU feature gate: which kernel ISAs this machine can run (via py-cpuinfo)."""
 import functools
 
-REQUIRED = {"avx2": ("avx2", "fma", "f16c")}
+REQUIRED = {"avx2": ("avx2", "fma", "f16c"),
+            "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")}
 
 
 @functools.lru_cache(maxsize=None)

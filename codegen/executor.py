@@ -1,6 +1,8 @@
 """The plan executor: one native call per thread runs a whole plan of kernel calls.
 
     llb_run_plan__avx2(plan, n_ops, tid, n_threads, sync)
+    llb_run_plan_timed__avx2(plan, n_ops, tid, n_threads, sync, stamps)   # the profiler's twin
+    llb_read_tsc__avx2(out)                                               # out: u64, the TSC now
 
 ``plan`` is an array of fixed-size op records laid out ``[n_ops][n_threads]``:
 thread ``tid`` reads record ``plan[op][tid]``, calls its kernel (if any) with
@@ -44,15 +46,29 @@ A spinner that has waited SPINS_BEFORE_YIELD pauses calls sched_yield: with
 more threads than cores (or a busy machine) the thread it waits for may be
 queued on its core, and a pure spinner would hold that core for a whole time
 slice.
+
+The timed twin runs the same plan and also writes time-stamp counter
+readings into ``stamps``, u64 ``[n_threads][n_ops + 1][2]``: thread t's row
+starts with its entry time (both words), then per op ``[kernel returned,
+released]`` -- released being after the op's barrier, or right after the
+kernel when it has none, and for the last op after the plan's closing
+barrier. So ``released[op] - released[op - 1]`` on thread 0 is what the op
+added to the plan's time, waits included, and ``returned[op] -
+released[op - 1]`` is what the kernel took on each thread. An LFENCE before
+each RDTSC keeps it from reading the counter before the kernel's last
+instructions have run. The untimed executor has none of this: profiling
+costs nothing when it is off.
 """
-from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, CMP, TEST,
-                            JZ, JNZ, JE, JNE, JAE, JB, JMP, CALL, PAUSE, MFENCE, SYSCALL, Loop, Block,
+import peachpy.stream
+from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, OR, IMUL, CMP, TEST,
+                            JZ, JNZ, JE, JNE, JAE, JB, JMP, CALL, PAUSE, MFENCE, LFENCE, SYSCALL, Loop, Block,
                             VMOVSS, VMOVUPS, VMASKMOVPS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
                             qword, dword, rax, rbx, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13,
                             r14, r15, eax, xmm0, xmm1)
 
 # rsp is not exported by peachpy.x86_64: PeachPy owns the stack unless told otherwise.
 from peachpy.x86_64.registers import rsp
+from peachpy.x86_64.instructions import Instruction
 
 from .common import Kernel, function, symbol, tail_mask
 
@@ -72,6 +88,8 @@ STACK_ARGS = MAX_INT_ARGS - len(INT_ARG_REGISTERS)
 STACK_ARGS_BYTES = (STACK_ARGS * 8 + 15) // 16 * 16
 SPINS_BEFORE_YIELD = 256
 SYS_SCHED_YIELD = 24
+STAMP_WORDS = 2             # per op: kernel returned, released (see the module docstring)
+STAMP_BYTES = 8 * STAMP_WORDS
 
 RECORD_SHIFT = RECORD_BYTES.bit_length() - 1
 SYNC_LINE_SHIFT = SYNC_LINE_BYTES.bit_length() - 1
@@ -81,18 +99,23 @@ assert RECORD_BYTES == 1 << RECORD_SHIFT and RECORD_BYTES % 64 == 0
 assert SYNC_LINE_BYTES == 1 << SYNC_LINE_SHIFT
 
 
-def emit_run_plan(isa):
-    """The executor. Everything live across a kernel call sits in callee-saved
-    registers (PeachPy saves them for us), named here once:
+def emit_run_plan(isa, timed=False):
+    """The executor (``timed``: its twin that stamps every op). Everything live
+    across a kernel call sits in callee-saved registers (PeachPy saves them for
+    us) or in our own frame, named here once:
 
         r12  this thread's record of the current op     r13  ops left
         r14  bytes from one op's records to the next's  r15  sync block
         rbx  this thread's epoch                        rbp  rsp at entry
-        [rsp] n_threads, [rsp+8] address of this thread's epoch line
+        [rsp] n_threads, [rsp+8] address of this thread's epoch line,
+        [rsp+16] (timed) where this thread's next op stamps go
     """
     sig = [("plan", "const uint8_t*"), ("n_ops", "size_t"), ("tid", "size_t"),
            ("n_threads", "size_t"), ("sync", "uint8_t*")]
-    fn, (plan, n_ops, tid, n_threads, sync) = function(symbol("run_plan", "", "", isa), sig, isa)
+    if timed:
+        sig.append(("stamps", "uint8_t*"))
+    fn, args = function(symbol("run_plan_timed" if timed else "run_plan", "", "", isa), sig, isa)
+    plan, n_ops, tid, n_threads, sync = args[:5]
     record, ops_left, op_stride, sync_base, epoch, saved_rsp = r12, r13, r14, r15, rbx, rbp
     finished = Label("finished")
     with fn:
@@ -102,11 +125,14 @@ def emit_run_plan(isa):
         LOAD.ARGUMENT(sync_base, sync)
         thread, my_line = rax, rdx          # needed only until the loop starts
         LOAD.ARGUMENT(thread, tid)
+        if timed:
+            stamp_row = r10
+            LOAD.ARGUMENT(stamp_row, args[5])
 
         # Our own 16-byte-aligned frame, whatever PeachPy's prologue pushed.
         MOV(saved_rsp, rsp)
         AND(rsp, -16)
-        SUB(rsp, 16)
+        SUB(rsp, 32 if timed else 16)
         MOV([rsp], op_stride)
         # Shifts, not IMUL: PeachPy encodes IMUL's immediates 128..255 as a
         # sign-extended imm8, i.e. IMUL(r, r, 128) multiplies by -128.
@@ -115,26 +141,86 @@ def emit_run_plan(isa):
         ADD(my_line, sync_base)
         MOV([rsp + 8], my_line)
         MOV(epoch, [my_line])
+        if timed:
+            # stamp_row += tid * (n_ops + 1) * STAMP_BYTES (a register IMUL: no immediate)
+            LEA(r11, [ops_left + 1])
+            SHL(r11, STAMP_BYTES.bit_length() - 1)
+            IMUL(r11, thread)
+            ADD(stamp_row, r11)
+            MOV([rsp + 16], stamp_row)
 
         SHL(thread, RECORD_SHIFT)
         ADD(record, thread)
         SHL(op_stride, RECORD_SHIFT)
 
+        if timed:
+            _stamp(0, 8)                    # entry
+            ADD(qword[rsp + 16], STAMP_BYTES)
         TEST(ops_left, ops_left)
         JZ(finished)
         with Loop() as ops:
             _call_kernel(record)
+            if timed:
+                _stamp(0)
             no_barrier = Block()
             with no_barrier:
                 CMP(dword[record + BARRIER_OFFSET], 0)
                 JE(no_barrier.end)
                 _barrier(epoch, sync_base, finished)
+            if timed:
+                _stamp(8)
+                ADD(qword[rsp + 16], STAMP_BYTES)
             ADD(record, op_stride)
             SUB(ops_left, 1)
             JNZ(ops.begin)
         _barrier(epoch, sync_base, finished)
+        if timed:
+            _stamp(8 - STAMP_BYTES)         # the last op is released by the closing barrier
         LABEL(finished)
         MOV(rsp, saved_rsp)
+        RETURN()
+    return Kernel(fn, "executor", isa, args=sig)
+
+
+class _RDTSC(Instruction):
+    """RDTSC (0F 31: edx:eax = time-stamp counter), which every x86-64 CPU has.
+
+    PeachPy's own RDTSC is tagged with an ISA extension that its Haswell target
+    does not list, so it refuses to emit it there; this one carries no tag."""
+
+    def __init__(self):
+        super().__init__("RDTSC")
+        self.encodings.append((0x00, lambda _: bytearray([0x0F, 0x31])))
+        self._implicit_out_regs = {0: 7, 2: 7}      # rax, rdx
+        if peachpy.stream.active_stream is not None:
+            peachpy.stream.active_stream.add_instruction(self)
+
+
+def _read_tsc():
+    """rdx = the TSC, read once every earlier instruction has run. Clobbers rax."""
+    LFENCE()
+    _RDTSC()
+    SHL(rdx, 32)
+    OR(rdx, rax)
+
+
+def _stamp(*offsets):
+    """Store the TSC at [the frame's stamp cursor + each offset]. Clobbers rax, rdx, r10."""
+    _read_tsc()
+    MOV(r10, [rsp + 16])
+    for offset in offsets:
+        MOV([r10 + offset], rdx)
+
+
+def emit_read_tsc(isa):
+    """out: u64 = the time-stamp counter (the profiler converts ticks to seconds with it)."""
+    sig = [("out", "uint8_t*")]
+    fn, (out,) = function(symbol("read_tsc", "", "", isa), sig, isa)
+    with fn:
+        # Physical registers, none of them the argument's (see emit_echo_args).
+        LOAD.ARGUMENT(r11, out)
+        _read_tsc()
+        MOV([r11], rdx)
         RETURN()
     return Kernel(fn, "executor", isa, args=sig)
 
@@ -253,4 +339,5 @@ def emit_echo_args(isa):
 
 
 def emit(isa):
-    return [emit_run_plan(isa), emit_copy(isa), emit_echo_args(isa)]
+    return [emit_run_plan(isa), emit_run_plan(isa, timed=True), emit_read_tsc(isa),
+            emit_copy(isa), emit_echo_args(isa)]

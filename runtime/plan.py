@@ -8,6 +8,8 @@
                              for c in chunks])
     plan.run(pool)                  # every thread enters native code once
     plan.set_int_arg(h, 3, 7)       # patch an argument for the next run: no rebuild
+    stamps = plan.stamp_buffer()
+    plan.run(pool, stamps)          # the same, timed: per-op TSC readings in stamps
 
 The plan is an array of op records, ``[n_ops][n_threads]``, that
 ``llb_run_plan__avx2`` (codegen/executor.py) walks: thread t calls the kernel
@@ -38,6 +40,7 @@ from . import validate as v
 
 MAX_INT_ARGS = 13
 MAX_FLOAT_ARGS = 2
+STAMP_WORDS = 2          # per op and thread: kernel returned, released (codegen/executor.py)
 RECORD = np.dtype({
     "names": ["fn", "float_args", "barrier", "int_args"],
     "formats": [np.uint64, (np.float32, MAX_FLOAT_ARGS), np.uint32, (np.uint64, MAX_INT_ARGS)],
@@ -112,6 +115,15 @@ class Plan:
     def address(self):
         return self._records.ctypes.data
 
+    @property
+    def stamp_shape(self):
+        """``(n_threads, n_ops + 1, STAMP_WORDS)``: entry, then per op [kernel returned, released]."""
+        return (self.n_threads, self._n_ops + 1, STAMP_WORDS)
+
+    def stamp_buffer(self):
+        """A buffer for the timed executor's stamps of one run of this plan (see codegen/executor.py)."""
+        return buffers.zeros(self.stamp_shape, np.uint64)
+
     def add(self, kernel, int_args=(), float_args=(), per_thread=None, barrier=True):
         """Append one op; returns its handle (the op's index) for ``set_int_arg``.
 
@@ -173,9 +185,10 @@ class Plan:
             raise ValueError(f"index: op {handle} has {n_float} float arguments, got index {index!r}")
         self._records["float_args"][handle, :, index] = v.finite_float("value", value)
 
-    def run(self, pool):
-        """Run every op once on ``pool`` (a runtime.pool.WorkerPool with as many threads)."""
-        pool.run(self)
+    def run(self, pool, stamps=None):
+        """Run every op once on ``pool`` (a runtime.pool.WorkerPool with as many threads);
+        timed into ``stamps`` (from ``stamp_buffer``) when given."""
+        pool.run(self, stamps)
 
     def _thread_args(self, int_args, per_thread, n_int):
         if per_thread is None:

@@ -13,6 +13,12 @@ and ctypes; with 2 threads the sleeping worker joins ~16 us later (its
 wake-up latency, paid once per plan); a barrier costs ~20 ns with one thread
 and ~100 ns with two.
 
+``pool.run(plan, stamps=plan.stamp_buffer())`` runs the executor's timed
+twin instead, which writes per-op time-stamp counter readings into
+``stamps`` (layout in codegen/executor.py; ``read_tsc`` reads the same clock
+from Python, to convert ticks to seconds). Without ``stamps`` nothing of it
+runs: the profiler costs nothing when it is off.
+
 Between plans the workers sleep in Python, never in native code. A
 KeyboardInterrupt that lands in the middle of ``run`` leaves the pool usable:
 the next ``run`` (or ``close``) first raises the sync block's abort flag if
@@ -88,16 +94,17 @@ class _Crew:
     Kept apart from WorkerPool so that the threads do not keep the pool alive:
     an unreferenced pool is collected and its finalizer sends the crew home."""
 
-    def __init__(self, n_threads, run_plan):
+    def __init__(self, n_threads, run_plan, run_plan_timed):
         self.n_threads = n_threads
         self.run_plan = run_plan
+        self.run_plan_timed = run_plan_timed
         self.sync = buffers.zeros((n_threads + 1) * SYNC_LINE_WORDS, np.uint64)
         self.lock = threading.Lock()
         self.start = threading.Condition(self.lock)     # workers wait here for a round
         self.done = threading.Condition(self.lock)      # settle() waits here for the others
         self.round = 0                  # rounds requested so far
         self.finished = [0] * n_threads     # last round each worker finished (index 0: worker 0)
-        self.job = None                 # (plan address, n_ops) of the current round
+        self.job = None                 # (plan address, n_ops, stamps address or 0) of the current round
         self.aborting = False           # workers woken during a recovery skip the plan
         self.closing = False
         self.dirty = False              # worker 0 may not have run its share of the last round
@@ -114,14 +121,20 @@ class _Crew:
                 round_, job, aborting = self.round, self.job, self.aborting
             try:
                 if not aborting:
-                    self.run_plan(job[0], job[1], tid, self.n_threads, self.sync.ctypes.data)
+                    self.run_share(tid, *job)
             finally:
                 with self.lock:
                     self.finished[tid] = round_
                     self.done.notify()
 
-    def run(self, address, n_ops):
-        """One round: wake the workers and run worker 0's share here.
+    def run_share(self, tid, address, n_ops, stamps=0):
+        if stamps:
+            self.run_plan_timed(address, n_ops, tid, self.n_threads, self.sync.ctypes.data, stamps)
+        else:
+            self.run_plan(address, n_ops, tid, self.n_threads, self.sync.ctypes.data)
+
+    def run(self, address, n_ops, stamps=0):
+        """One round: wake the workers and run worker 0's share here (timed when ``stamps``, an address).
 
         No wait for the others afterwards: a plan ends with a barrier, so when
         worker 0 returns every thread has finished every op (an empty plan has
@@ -130,10 +143,10 @@ class _Crew:
         self.settle()
         self.dirty = True
         with self.lock:
-            self.job = (address, n_ops)
+            self.job = (address, n_ops, stamps)
             self.round += 1
             self.start.notify_all()
-        self.run_plan(address, n_ops, 0, self.n_threads, self.sync.ctypes.data)
+        self.run_share(0, address, n_ops, stamps)
         self.finished[0] = self.round
         self.dirty = False
 
@@ -171,6 +184,14 @@ class _Crew:
                 thread.join(JOIN_TIMEOUT_S)
 
 
+def read_tsc():
+    """The time-stamp counter now, in ticks: the clock of the timed executor's stamps."""
+    from .native._lib import kernel
+    out = np.zeros(1, np.uint64)
+    kernel("llb_read_tsc__avx2")(out.ctypes.data)
+    return int(out[0])
+
+
 def _pin(cpu):
     """Pin the calling thread to ``cpu`` (None: leave it alone). A refused pin is not fatal."""
     if cpu is None:
@@ -191,7 +212,7 @@ class WorkerPool:
         order = pinning_order()
         self.cpus = [order[i % len(order)] for i in range(self.n_threads)] if pin else [None] * self.n_threads
         from .native._lib import kernel
-        self._crew = _Crew(self.n_threads, kernel("llb_run_plan__avx2"))
+        self._crew = _Crew(self.n_threads, kernel("llb_run_plan__avx2"), kernel("llb_run_plan_timed__avx2"))
         self._threads = [threading.Thread(target=self._crew.work, args=(tid, self.cpus[tid]),
                                           name=f"llambda-worker-{tid}", daemon=True)
                          for tid in range(1, self.n_threads)]
@@ -203,14 +224,21 @@ class WorkerPool:
         self._closed = False
         self._finalizer = weakref.finalize(self, _shut_down, self._crew, self._threads, self._caller_box)
 
-    def run(self, plan):
-        """Run every op of ``plan`` once on all threads; returns when all have finished."""
+    def run(self, plan, stamps=None):
+        """Run every op of ``plan`` once on all threads; returns when all have finished.
+
+        ``stamps``: a ``plan.stamp_buffer()`` to run the timed executor, which
+        fills it with time-stamp counter readings (see the module docstring)."""
         if self._closed:
             raise RuntimeError("WorkerPool.run: the pool is closed")
         if plan.n_threads != self.n_threads:
             raise ValueError(f"plan: built for {plan.n_threads} threads, the pool has {self.n_threads}")
+        stamps_address = 0
+        if stamps is not None:
+            v.array("stamps", stamps, np.uint64, plan.stamp_shape, align=8, writable=True)
+            stamps_address = stamps.ctypes.data
         self._pin_caller()
-        self._crew.run(plan.address, plan.n_ops)
+        self._crew.run(plan.address, plan.n_ops, stamps_address)
 
     def close(self):
         """Stop the workers and unpin the caller. Idempotent; also runs at exit."""

@@ -146,6 +146,14 @@ class Model:
         # The template writes BOS itself when the model wants it.
         return self.generate(text, add_special=False, **kwargs)
 
+    # -- profiling --------------------------------------------------------------
+    def profile(self, tokens=32, prefill=128):
+        """Time every op of ``tokens`` decode steps (and of one ``prefill``-token chunk,
+        unless 0) as the plan runs: a llambda.profile.ProfileReport (``.table()``,
+        ``.as_dict()``). Empties the KV cache."""
+        from .profile import profile_decode
+        return profile_decode(self, tokens=tokens, prefill=prefill)
+
 
 def _common_prefix(a, b):
     """Length of the common prefix of two id lists (C-speed when a is a prefix of b)."""

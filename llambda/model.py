@@ -11,7 +11,6 @@ become a plan, split across the worker pool, that later runs with one native
 call per thread (only the position is patched between tokens). With the numpy
 backend the same code calls the reference ops directly.
 """
-import time
 
 import numpy as np
 
@@ -110,22 +109,15 @@ class LlamaModel:
             self._plans[key] = rec.finish()
         return self._plans[key]
 
-    def profile(self, m, with_head=True, repeats=3):
-        """Time every op of the chunk plan for ``m`` tokens, one op at a time.
+    def profile(self):
+        """A context in which every plan run is timed, op by op, through the normal path:
 
-        Returns a list of (OpInfo, seconds per run). The KV cache and activations are
-        scratch here: call it on a model you are not generating with."""
-        recorder = self._plan(m, with_head)
-        recorder.set_pos0(0)
-        plan, pool = recorder.plan, self.pool
-        times = np.zeros(plan.n_ops)
-        for _ in range(repeats):
-            for op in range(plan.n_ops):
-                one = _OneOp(plan, op)
-                t = time.perf_counter()
-                pool.run(one)
-                times[op] += time.perf_counter() - t
-        return list(zip(recorder.ops, times / repeats))
+            with net.profile() as timer:    # a llambda.profile.PlanTimer, standing in for the pool
+                ...                         # forward() as usual; timer.runs collects the stamps
+        """
+        if self.pool is None:
+            raise ValueError("profile: only the plan path (the AVX2 backend) runs plans to time")
+        return _Profiling(self)
 
     # -- the math ---------------------------------------------------------------
     def _blocks(self, be, lin, m, pos0):
@@ -171,13 +163,27 @@ class LlamaModel:
         lin(self.xn[:1], self.lm_head, self.logits)
 
 
-class _OneOp:
-    """One op of a plan, runnable on the pool by itself (for profiling)."""
+class _Profiling:
+    """Puts a PlanTimer in place of the model's pool while the context is open."""
 
-    def __init__(self, plan, op):
-        self.n_threads = plan.n_threads
-        self.n_ops = 1
-        self.address = plan.address + op * plan.n_threads * plan.records.itemsize
+    def __init__(self, net):
+        from llambda.profile import PlanTimer
+        self.net = net
+        self.timer = PlanTimer(net.pool, self.describe)
+
+    def describe(self, plan):
+        """(chunk size, with LM head, OpInfo per op, first position) of a plan about to run."""
+        for (m, with_head), recorder in self.net._plans.items():
+            if recorder.plan is plan:
+                return m, with_head, recorder.ops, int(self.net.positions[0])
+        raise ValueError("plan: not one of this model's plans")
+
+    def __enter__(self):
+        self.net.pool = self.timer
+        return self.timer
+
+    def __exit__(self, *exc):
+        self.net.pool = self.timer.pool
 
 
 class _LayerWeights:

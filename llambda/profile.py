@@ -20,13 +20,17 @@ counter (runtime/pool.py, codegen/executor.py). From the stamps:
   OpInfo; attention's from the actual position) by its time.
 
 What is not native is overhead: "pool dispatch" is the time inside
-``pool.run`` outside the executor (ctypes, waking the workers), "python" the
-rest of the wall time of ``evaluate`` (embedding lookup, cache bookkeeping,
-the plan lookup). Sampling is not part of it: the profile decodes greedily,
-outside the timed calls. The profiler itself adds about 4 us per plan run
-to these two rows (measured: ~1 us of PlanTimer bookkeeping, ~2 us checking
-the stamp buffer), ~0.15% of a SmolLM2-135M token. TSC ticks become seconds
-by calibration against ``time.perf_counter`` over the whole profiling run.
+``pool.run`` outside the executor (ctypes, waking the workers, and the
+Python around the call running on caches the weight stream has just
+flushed: ~50 us a token on SmolLM2-135M, where a warm call takes ~3);
+"python" is the rest of the wall time of ``evaluate`` (embedding lookup,
+cache bookkeeping, the plan lookup). Sampling is not part of it: the
+profile decodes greedily, outside the timed calls. The profiler itself adds
+about 4 us per plan run to these two rows (measured: ~1 us of PlanTimer
+bookkeeping, ~2 us checking the stamp buffer), ~0.15% of a SmolLM2-135M
+token; the stamps add ~15 ns an op to the native time (~0.4%). TSC ticks
+become seconds by calibration against ``time.perf_counter`` over the whole
+profiling run.
 
 The prefill part times whole chunks (128 tokens by default) the same way.
 Profiling leaves the model's KV cache empty.

@@ -61,6 +61,7 @@ class LlamaModel:
         if backend.name == "avx2":
             from llambda.runtime.pool import WorkerPool
             self.pool = WorkerPool(threads)
+            self._plan(1, True)        # the decode plan: built with the model, not on the first token
         self.threads = self.pool.n_threads if self.pool else 1
 
     def close(self):
@@ -79,7 +80,7 @@ class LlamaModel:
             m = len(chunk)
             last = start + m == len(ids)
             self.x[:m] = layouts.rows(self.embedding, chunk)
-            self.positions[:m] = np.arange(pos0 + start, pos0 + start + m, dtype=np.int32)
+            self.positions[:m] = range(pos0 + start, pos0 + start + m)
             with_head = last and not all_logits
             if self.pool is not None:
                 recorder = self._plan(m, with_head)

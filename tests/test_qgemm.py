@@ -10,13 +10,35 @@ from llambda.runtime.layouts import PackedWeight
 
 BLOCK = 32
 GROUP = 8
-TILE_M = 6          # activation rows per register tile in codegen/qgemm.py
+# Register tiles in codegen/qgemm.py: AVX2 6 rows x 8 columns (remainders of 1..5 rows),
+# AVX-512 16 x 16 (then 8-row tiles, remainders of 4, 2, 1 rows; a lone last row group).
+TILES_M = {"avx2": 6, "avx512": 16}
+ISAS = tuple(TILES_M)
 # GGUF block layout: (bytes per block, f16 scale fields in front of the quants)
 GGUF_BLOCKS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
-m_sizes = st.sampled_from([1, 2, TILE_M - 1, TILE_M, TILE_M + 1, 2 * TILE_M + 1, 37]) | st.integers(1, 40)
-n_sizes = st.sampled_from([1, 7, 8, 9, 17, 100]) | st.integers(1, 120)
+m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33, 37]) | st.integers(1, 40)
+n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 24, 25, 33, 100]) | st.integers(1, 120)
 k_sizes = st.sampled_from([32, 64, 96, 576]) | st.integers(1, 20).map(lambda b: BLOCK * b)
+
+
+def runnable(isa):
+    from llambda.runtime.native import quant as n_quant
+    if isa not in n_quant.qgemm_isas():
+        pytest.skip(f"this CPU does not run the {isa} qgemm kernels")
+    return isa
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def isa(request, native):
+    """Every qgemm variant this CPU runs; the others are skipped (and say so)."""
+    return runnable(request.param)
+
+
+@pytest.fixture(scope="module", params=ISAS[1:])
+def wide_isa(request, native):
+    """The variants beyond the AVX2 baseline, compared with it."""
+    return runnable(request.param)
 
 
 def random_gguf_weight(type_name, n, k, seed=0, magnitude=1.0):
@@ -56,31 +78,73 @@ def magnitude_bound(qs, d, w):
 def assert_close_to_reference(got, want, bound):
     # Integer dot products are exact; the error is float32 rounding of the scale products
     # and of the running sum over k/32 blocks (plus the reference's f32 dequantization):
-    # at most ~(k/32 + 3) * 2^-24 of sum|w||a|, well inside 1e-5 of it for k <= 640.
+    # at most ~(k/32 + 3) * 2^-24 of sum|w||a|, inside 1e-5 of it for k <= 4096. The same
+    # for every ISA: they do the same f32 operations (see codegen/qgemm.py).
     np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-5 * bound + 1e-30)
 
 
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)
-def test_qgemm_matches_reference(native, ref, data, type_name, m, n, k):
+def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
     got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got)
+    native.qgemm(qs, d, s, w, got, isa=isa)
     ref.qgemm(qs, d, s, w, want)
     assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
 
 
 @given(st.data(), st.sampled_from(["Q4_1", "Q8_0"]), m_sizes, st.integers(1, 70), k_sizes)
-def test_qgemm_row_range_writes_only_its_columns(native, ref, data, type_name, m, n, k):
+def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
+    """Threads split the columns at multiples of 8 (16 in plans): a range may start at an odd
+    row group and end inside one."""
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
     n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
     n1 = data.draw(st.integers(n0 + 1, n))
     got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, rows=(n0, n1))
+    native.qgemm(qs, d, s, w, got, rows=(n0, n1), isa=isa)
     ref.qgemm(qs, d, s, w, want, rows=(n0, n1))
     assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
     assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], magnitude_bound(qs, d, w)[:, n0:n1])
+
+
+def rows_summed_like_avx512(type_name, m):
+    """Rows whose AVX2 result has the AVX-512 kernel's summation order: all of them for q8_0;
+    for q4_1 those the AVX2 kernel sums in one accumulator per row (its 6-row tiles, and
+    remainders of 4 or 5 rows; 1-3-row remainders keep the min term apart)."""
+    if type_name == "Q8_0" or m % TILES_M["avx2"] >= 4:
+        return m
+    return m - m % TILES_M["avx2"]
+
+
+@given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)
+def test_qgemm_variants_agree_bit_for_bit(native, wide_isa, data, type_name, m, n, k):
+    w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized_activations(native, data.draw, m, k)
+    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, baseline, isa="avx2")
+    native.qgemm(qs, d, s, w, got, isa=wide_isa)
+    same = rows_summed_like_avx512(type_name, m)
+    np.testing.assert_array_equal(got[:same], baseline[:same])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [8, 9, 17, 37])
+def test_qgemm_rows_a_page_apart(native, ref, isa, type_name, m):
+    """k = 4096: activation rows share cache sets, and the AVX-512 q4_1 kernel switches to
+    8-row tiles; the results must not notice."""
+    n, k = 40, 4096
+    w = layouts.pack(type_name, random_gguf_weight(type_name, n, k, seed=m), n, k)
+    x = buffers.aligned_copy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+    native.quantize_q8(x, qs, d, s)
+    got, want, baseline = nan_buffer((m, n)), nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, got, isa=isa)
+    ref.qgemm(qs, d, s, w, want)
+    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
+    native.qgemm(qs, d, s, w, baseline, isa="avx2")
+    same = rows_summed_like_avx512(type_name, m) if isa != "avx2" else m
+    np.testing.assert_array_equal(got[:same], baseline[:same])
 
 
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), st.integers(1, 40), st.sampled_from([32, 96]))
@@ -126,59 +190,137 @@ def misaligned(array):
     return copy
 
 
-def test_qgemm_rejects_bad_arguments(native):
+def test_qgemm_rejects_bad_arguments(native, isa):
     m, n, k = 3, 10, 64
     w = layouts.pack("Q4_1", np.zeros((n, 40), np.uint8), n, k)
     qs, d, s = buffers.zeros((m, k), np.int8), buffers.zeros((m, 2)), buffers.zeros((m, 2))
     out = buffers.zeros((m, n))
+
+    def qgemm(*args, **kwargs):
+        native.qgemm(*args, isa=isa, **kwargs)
+
     with pytest.raises(ValueError, match="qs: expected dtype int8"):
-        native.qgemm(buffers.zeros((m, k), np.uint8), d, s, w, out)
+        qgemm(buffers.zeros((m, k), np.uint8), d, s, w, out)
     with pytest.raises(ValueError, match="qs: k = 40 must be a multiple of 32"):
-        native.qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)
+        qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)
     with pytest.raises(ValueError, match="d: expected shape"):
-        native.qgemm(qs, buffers.zeros((m, 3)), s, w, out)
+        qgemm(qs, buffers.zeros((m, 3)), s, w, out)
     with pytest.raises(ValueError, match="s: data must be 4-byte aligned"):
-        native.qgemm(qs, d, buffers.zeros(2 * m + 1).view(np.uint8)[2:2 + 8 * m].view(np.float32)
-                     .reshape(m, 2), w, out)
+        qgemm(qs, d, buffers.zeros(2 * m + 1).view(np.uint8)[2:2 + 8 * m].view(np.float32)
+              .reshape(m, 2), w, out)
     with pytest.raises(ValueError, match="w.qs: data must be 32-byte aligned"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))), out)
+        qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))), out)
     with pytest.raises(ValueError, match="out: expected shape"):
-        native.qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))
+        qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))
     with pytest.raises(ValueError, match="out: array must be C-contiguous"):
-        native.qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])
+        qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])
     with pytest.raises(ValueError, match="w: expected a PackedWeight"):
-        native.qgemm(qs, d, s, np.zeros((n, k), np.float32), out)
+        qgemm(qs, d, s, np.zeros((n, k), np.float32), out)
     with pytest.raises(ValueError, match="w: qgemm needs a q4_1 or q8_0 weight"):
-        native.qgemm(qs, d, s, PackedWeight("f32", n, k), out)
+        qgemm(qs, d, s, PackedWeight("f32", n, k), out)
     with pytest.raises(ValueError, match="w: has k = 64 but the activations have k = 32"):
-        native.qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)
+        qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)
     with pytest.raises(ValueError, match="w.dm: expected a numpy array"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])), out)
+        qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])), out)
     with pytest.raises(ValueError, match="w.qs: expected shape"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, n=17), buffers.zeros((m, 17)))
+        qgemm(qs, d, s, dataclasses.replace(w, n=17), buffers.zeros((m, 17)))
     with pytest.raises(ValueError, match=r"rows: n0 must be a multiple of 8 \(the row group\), got 4"):
-        native.qgemm(qs, d, s, w, out, rows=(4, 8))
+        qgemm(qs, d, s, w, out, rows=(4, 8))
     with pytest.raises(ValueError, match=r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 11\)"):
-        native.qgemm(qs, d, s, w, out, rows=(8, 11))
+        qgemm(qs, d, s, w, out, rows=(8, 11))
     with pytest.raises(ValueError, match=r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 8\)"):
-        native.qgemm(qs, d, s, w, out, rows=(8, 8))
+        qgemm(qs, d, s, w, out, rows=(8, 8))
     with pytest.raises(ValueError, match="rows: expected a pair"):
-        native.qgemm(qs, d, s, w, out, rows=8)
+        qgemm(qs, d, s, w, out, rows=8)
     with pytest.raises(ValueError, match=r"rows\[1\]: expected an integer, got 7.5"):
-        native.qgemm(qs, d, s, w, out, rows=(0, 7.5))
-    native.qgemm(qs, d, s, w, out)                   # and the process is fine
+        qgemm(qs, d, s, w, out, rows=(0, 7.5))
+    qgemm(qs, d, s, w, out)                   # and the process is fine
     np.testing.assert_array_equal(out, 0)
 
 
-@given(st.data(), st.sampled_from(["Q4_1", "Q8_0"]), st.integers(2, 9), st.integers(1, 30), st.sampled_from([32, 96]))
-def test_qgemm_on_row_slices(native, ref, data, type_name, m, n, k):
+@given(st.data(), st.sampled_from(["Q4_1", "Q8_0"]), st.integers(2, 20), st.integers(1, 40), st.sampled_from([32, 96]))
+def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n, k):
     """Activations and outputs need only element alignment: the last token's row of a prefill
     feeds the LM head without a copy."""
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
     first = data.draw(st.integers(1, m - 1))
     got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs[first:], d[first:], s[first:], w, got[first:])
+    native.qgemm(qs[first:], d[first:], s[first:], w, got[first:], isa=isa)
     ref.qgemm(qs[first:], d[first:], s[first:], w, want[first:])
     assert np.isnan(got[:first]).all()
     assert_close_to_reference(got[first:], want[first:], magnitude_bound(qs[first:], d[first:], w))
+
+
+def before_a_guard_page(array, keep):
+    """A copy of ``array`` that ends where an unreadable page begins (``keep`` holds the mapping)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    pages = -(-array.nbytes // page) + 1
+    mapping = mmap.mmap(-1, pages * page)
+    keep.append(mapping)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0     # PROT_NONE
+    start = (pages - 1) * page - array.nbytes
+    copy = np.frombuffer(mapping, np.uint8, array.nbytes, start).view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [8, 17, 24, 40])
+def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
+    """The last row groups end at an unreadable page (a stray read would crash): the AVX-512
+    kernel pairs a lone last group with itself, not with the bytes after it. (k = 64 makes
+    every weight array a multiple of 32 bytes, so its copy starts aligned.)"""
+    m, k = 5, 64
+    keep = []
+    w = layouts.pack(type_name, random_gguf_weight(type_name, n, k), n, k)
+    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
+    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
+    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+    native.quantize_q8(x, qs, d, s)
+    got, want = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, got, isa=isa)
+    ref.qgemm(qs, d, s, w, want)
+    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
+
+
+def test_qgemm_rejects_an_unknown_or_unavailable_isa(native, monkeypatch):
+    from llambda.runtime.native import quant as n_quant
+    m, n, k = 4, 16, 32
+    w = layouts.pack("Q4_1", random_gguf_weight("Q4_1", n, k), n, k)
+    qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
+    with pytest.raises(ValueError, match="isa: expected one of avx2.*got 'avx1024'"):
+        native.qgemm(qs, d, s, w, out, isa="avx1024")
+    monkeypatch.setattr(n_quant, "qgemm_isas", lambda: ("avx2",))     # a CPU without AVX-512 VNNI
+    with pytest.raises(ValueError, match="isa: expected one of avx2 .*got 'avx512'"):
+        native.qgemm(qs, d, s, w, out, isa="avx512")
+    native.qgemm(qs, d, s, w, out, isa="avx2")
+
+
+@pytest.mark.parametrize("cap, m, expected", [(None, 16, "avx512"), (None, 3, "avx2"), ("avx2", 16, "avx2"),
+                                              ("avx512", 4, "avx512")])
+def test_qgemm_chooses_the_widest_variant_that_pays(native, monkeypatch, cap, m, expected):
+    from llambda.runtime.native import quant as n_quant
+    runnable(expected)
+    n, k = 16, 32
+    w = layouts.pack("Q8_0", random_gguf_weight("Q8_0", n, k), n, k)
+    qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
+    n_quant.widest_qgemm_isa.cache_clear()
+    try:
+        if cap:
+            monkeypatch.setenv("LLAMBDA_ISA", cap)
+        else:
+            monkeypatch.delenv("LLAMBDA_ISA", raising=False)
+        symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
+        assert symbol.endswith(f"__{expected}")
+        monkeypatch.setenv("LLAMBDA_ISA", "sse2")
+        n_quant.widest_qgemm_isa.cache_clear()
+        with pytest.raises(ValueError, match="LLAMBDA_ISA: expected one of avx2, avx512, got 'sse2'"):
+            n_quant.qgemm_call(qs, d, s, w, out)
+    finally:
+        n_quant.widest_qgemm_isa.cache_clear()

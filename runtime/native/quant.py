@@ -3,9 +3,19 @@
 ``quantize_q8_call`` / ``qgemm_call`` validate like the bindings and return
 ``(kernel symbol, integer arguments)`` instead of calling: what a plan
 (runtime/plan.py) records for a worker thread, e.g. one ``rows`` range each.
+
+qgemm has an AVX2 kernel (the baseline) and an AVX-512 one (AVX512BW +
+AVX512_VNNI) on the same weight layout. The widest one the CPU runs is used
+(for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2);
+``LLAMBDA_ISA=avx2`` caps it at the baseline (for ISA-fair comparisons), and
+``isa=`` asks for one variant explicitly (tests compare them).
 """
+import functools
+import os
+
 import numpy as np
 
+from .. import cpu, library
 from .. import validate as v
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -14,7 +24,15 @@ __all__ = ["quantize_q8", "qgemm"]
 
 BLOCK = 32
 GROUP = 8
-QGEMM_TILE = "6x8"
+# per ISA, widest last: the register tile in the kernel's name, and a CPU flag beyond
+# cpu.REQUIRED (as Linux or py-cpuinfo spell it)
+QGEMM_TILES = {"avx2": "6x8", "avx512": "16x16"}
+QGEMM_EXTRA_FLAG = {"avx512": ("avx512_vnni", "avx512vnni")}
+ISA_CAP = "LLAMBDA_ISA"
+# The AVX-512 kernel reads two row groups at once: four weight streams instead of two.
+# With few activation rows it is memory-bound and streams slower (cold GEMV, m = 1: ~25
+# vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
+AVX512_MIN_ROWS = 4
 ELEMENT_ALIGN = 4
 # per kind: (name and dtype of the quant array, name of the f16 scale array, scale rows per block)
 WEIGHT_ARRAYS = {"q4_1": (("qs", np.uint8), "dm", 2), "q8_0": (("qs", np.int8), "d", 1)}
@@ -60,16 +78,48 @@ def _check_weight(w, k):
     return quants, scales
 
 
-def qgemm(qs, d, s, w, out, rows=None):
+def qgemm(qs, d, s, w, out, rows=None, *, isa=None):
     """out[m, n0:n1] = dequant(qs, d) [m, k] . dequant(w)[n0:n1, k]^T; ``rows=(n0, n1)`` (n0 % 8 == 0).
 
     qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a q4_1
-    or q8_0 PackedWeight; out f32 [m, n]. Columns outside n0..n1 are not touched."""
-    symbol, args = qgemm_call(qs, d, s, w, out, rows)
+    or q8_0 PackedWeight; out f32 [m, n]. Columns outside n0..n1 are not touched.
+    ``isa`` (one of qgemm_isas()) picks a kernel variant; by default the fastest for m."""
+    symbol, args = qgemm_call(qs, d, s, w, out, rows, isa=isa)
     kernel(symbol)(*args)
 
 
-def qgemm_call(qs, d, s, w, out, rows=None):
+@functools.lru_cache(maxsize=None)
+def qgemm_isas():
+    """The qgemm variants this CPU runs and the kernel library has, baseline first."""
+    flags = cpu.cpu_flags()
+    manifest = library.load("avx2").manifest
+    return tuple(isa for isa, tile in QGEMM_TILES.items()
+                 if not cpu.missing_flags(isa)
+                 and (isa not in QGEMM_EXTRA_FLAG or flags & set(QGEMM_EXTRA_FLAG[isa]))
+                 and all(f"llb_qgemm_{kind}_q8_{tile}__{isa}" in manifest for kind in WEIGHT_ARRAYS))
+
+
+@functools.lru_cache(maxsize=None)
+def widest_qgemm_isa():
+    """The widest of qgemm_isas(), or of those up to LLAMBDA_ISA when set (read once)."""
+    names = list(QGEMM_TILES)
+    cap = os.environ.get(ISA_CAP) or names[-1]
+    if cap not in names:
+        raise ValueError(f"{ISA_CAP}: expected one of {', '.join(names)}, got {cap!r}")
+    return [isa for isa in qgemm_isas() if names.index(isa) <= names.index(cap)][-1]
+
+
+def _qgemm_isa(isa, m):
+    if isa is None:
+        widest = widest_qgemm_isa()
+        return "avx2" if widest == "avx512" and m < AVX512_MIN_ROWS else widest
+    if isa not in qgemm_isas():
+        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas())} (the qgemm variants this CPU "
+                         f"and kernel library run), got {isa!r}")
+    return isa
+
+
+def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     # The kernel broadcasts activations and stores outputs unaligned, so row slices of
     # them (e.g. the last token's row for the LM head) work; the weights need 32 bytes.
     v.array("qs", qs, np.int8, ndim=2, align=ELEMENT_ALIGN)
@@ -81,6 +131,7 @@ def qgemm_call(qs, d, s, w, out, rows=None):
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
-    return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILE}__avx2", [
+    isa = _qgemm_isa(isa, m)
+    return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILES[isa]}__{isa}", [
         quants[group0].ctypes.data, scales[group0].ctypes.data, qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

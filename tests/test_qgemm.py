@@ -10,10 +10,11 @@ from llambda.runtime.layouts import PackedWeight
 
 BLOCK = 32
 GROUP = 8
-# Register tiles in codegen/qgemm.py: AVX2 6 rows x 8 columns (remainders of 1..5 rows),
-# AVX-512 16 x 16 (then 8-row tiles, remainders of 4, 2, 1 rows; a lone last row group).
-TILES_M = {"avx2": 6, "avx512": 16}
-ISAS = tuple(TILES_M)
+# The qgemm variants, baseline first. Register tiles in codegen/qgemm.py: AVX2 6 rows x 8
+# columns (remainders of 1..5 rows); AVX-512 16 x 16 (then 8-row tiles, remainders of 4, 2
+# and 1 rows; a lone last row group), sampled below with their edges.
+ISAS = ("avx2", "avx512")
+AVX2_TILE_M = 6
 # GGUF block layout: (bytes per block, f16 scale fields in front of the quants)
 GGUF_BLOCKS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
@@ -112,9 +113,9 @@ def rows_summed_like_avx512(type_name, m):
     """Rows whose AVX2 result has the AVX-512 kernel's summation order: all of them for q8_0;
     for q4_1 those the AVX2 kernel sums in one accumulator per row (its 6-row tiles, and
     remainders of 4 or 5 rows; 1-3-row remainders keep the min term apart)."""
-    if type_name == "Q8_0" or m % TILES_M["avx2"] >= 4:
+    if type_name == "Q8_0" or m % AVX2_TILE_M >= 4:
         return m
-    return m - m % TILES_M["avx2"]
+    return m - m % AVX2_TILE_M
 
 
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)

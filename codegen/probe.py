@@ -3,7 +3,8 @@
     llb_probe_fma__avx2(iters)        12 independent vfmadd231ps ymm chains: 16 FLOP each
     llb_probe_fma__avx512(iters)      the same with zmm registers: 32 FLOP each (some CPUs run
                                       512-bit FMAs at full rate; called only when the CPU has AVX-512)
-    llb_probe_int8__avx2(iters)       12 independent vpmaddubsw+vpmaddwd pairs: 64 int ops each
+    llb_probe_int8__avx2(iters)       6 chains of vpmaddubsw+vpmaddwd+vpaddd: 64 int ops a chain
+    llb_probe_int8__avx512(iters)     12 vpdpbusd zmm chains (AVX512_VNNI): 128 int ops each
     llb_probe_read__avx2(buf, bytes, reps)   streams buf with aligned ymm loads (read bandwidth)
 
 Twelve chains hide the 4-cycle latency on two FMA ports. Nothing is stored,
@@ -14,6 +15,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, R
                             ZMMRegister)
 
 from .common import Kernel, function, symbol
+from .peachpy_ext import VPDPBUSD
 
 CHAINS = 12
 ISAS = ("avx2", "avx512")
@@ -51,6 +53,25 @@ def emit_fma_zmm(isa):
         with Loop() as loop:
             for r in acc:
                 VFMADD231PS(r, a, b)
+            SUB(n, 1)
+            JNZ(loop.begin)
+        RETURN()
+    return Kernel(fn, "probe", isa, tile=str(CHAINS), args=sig)
+
+
+def emit_int8_vnni(isa):
+    sig = [("iters", "size_t")]
+    fn, (iters,) = function(symbol("probe", "int8", "", isa), sig, isa)
+    with fn:
+        n = GeneralPurposeRegister64()
+        LOAD.ARGUMENT(n, iters)
+        acc = [ZMMRegister() for _ in range(CHAINS)]
+        a, b = ZMMRegister(), ZMMRegister()
+        for r in acc + [a, b]:
+            VPXORD(r, r, r)
+        with Loop() as loop:
+            for r in acc:
+                VPDPBUSD(r, a, b)
             SUB(n, 1)
             JNZ(loop.begin)
         RETURN()
@@ -108,5 +129,5 @@ def emit_read(isa):
 
 def emit(isa):
     if isa == "avx512":
-        return [emit_fma_zmm(isa)]
+        return [emit_fma_zmm(isa), emit_int8_vnni(isa)]
     return [emit_fma(isa), emit_int8(isa), emit_read(isa)]

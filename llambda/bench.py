@@ -156,8 +156,11 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
         print("llambda bench: llama-cpp-python is not installed (pip install -e '.[bench]'); "
               "measuring llambda only", file=sys.stderr)
     config, bytes_per_token, flops_per_token = _model_costs(model_path)
+    from llambda.runtime.native.quant import widest_qgemm_isa
+    prefill_isa = widest_qgemm_isa()                  # the int8 kernels prefill runs on
     peaks = dict(fma=ceilings.fma_peak_gflops(), fma_zmm=ceilings.fma_peak_gflops("avx512"),
-                 int8=ceilings.int8_peak_gops(), bw={t: ceilings.read_bandwidth_gbs(t) for t in threads})
+                 int8=ceilings.int8_peak_gops(prefill_isa), int8_isa=prefill_isa,
+                 bw={t: ceilings.read_bandwidth_gbs(t) for t in threads})
 
     results = {(e, t): [] for e in engines for t in threads}
     for rep in range(repeats):
@@ -169,7 +172,8 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens)
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
                   ceilings=dict(fma_gflops_per_core=peaks["fma"], fma_zmm_gflops_per_core=peaks["fma_zmm"],
-                                int8_gops_per_core=peaks["int8"], read_gbs=peaks["bw"]),
+                                int8_gops_per_core=peaks["int8"], int8_isa=peaks["int8_isa"],
+                                read_gbs=peaks["bw"]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
                   gen_tokens=gen_tokens,
                   n_ctx=n_ctx, rows=rows)
@@ -180,6 +184,7 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     return report
 
 
+INT8_IDIOM = {"avx2": "vpmaddubsw+vpmaddwd ymm", "avx512": "vpdpbusd zmm"}
 SWEEP_CONTEXTS = (128, 512, 1024, 2048, 4096)
 SWEEP_TOKENS = 32
 
@@ -255,7 +260,7 @@ def _markdown(report, engines, threads):
              f"Ceilings (measured): FMA {c['fma_gflops_per_core']:.0f} GFLOP/s/core with ymm"
              + (f" ({c['fma_zmm_gflops_per_core']:.0f} with zmm)" if c.get("fma_zmm_gflops_per_core") else "")
              + f", INT8 "
-             f"{c['int8_gops_per_core']:.0f} GOP/s/core, read "
+             f"{c['int8_gops_per_core']:.0f} GOP/s/core ({INT8_IDIOM[c['int8_isa']]}, what prefill runs on), read "
              + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items())
              + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
              f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token", ""]

@@ -14,6 +14,7 @@ from .library import load
 
 FMA_FLOP_PER_ITER = 12 * 8 * 2        # 12 ymm FMAs of 8 lanes, 2 FLOP each
 INT8_OPS_PER_ITER = 6 * 32 * 2        # 6 maddubs of 32 byte pairs, multiply + add
+INT8_VNNI_OPS_PER_ITER = 12 * 64 * 2  # 12 vpdpbusd of 64 byte pairs
 
 
 def _best_rate(fn, work, repeats=5):
@@ -38,11 +39,17 @@ def fma_peak_gflops(isa="avx2"):
     return _best_rate(lambda: f(iters), iters * FMA_FLOP_PER_ITER * width) / 1e9
 
 
-def int8_peak_gops():
+def int8_peak_gops(isa="avx2"):
+    """Int8 multiply-add peak of one core: vpmaddubsw+vpmaddwd on ymm ("avx2") or
+    vpdpbusd on zmm ("avx512", needs AVX512_VNNI); None when the CPU lacks it."""
+    from . import cpu
+    if isa == "avx512" and not (cpu.supports("avx512") and "avx512_vnni" in cpu.cpu_flags()):
+        return None
     lib = load()
     iters = 20_000_000
-    f = lib.fn("llb_probe_int8__avx2")
-    return _best_rate(lambda: f(iters), iters * INT8_OPS_PER_ITER) / 1e9
+    f = lib.fn(f"llb_probe_int8__{isa}")
+    ops = INT8_OPS_PER_ITER if isa == "avx2" else INT8_VNNI_OPS_PER_ITER
+    return _best_rate(lambda: f(iters), iters * ops) / 1e9
 
 
 def read_bandwidth_gbs(threads=1, nbytes=256 << 20, reps=3):

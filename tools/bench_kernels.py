@@ -63,13 +63,16 @@ def main(argv=None):
     from llambda.runtime import buffers, ceilings, get_backend, layouts
     from llambda.runtime.linear import Linear
     be = get_backend("avx2")
-    peaks = dict(fma=ceilings.fma_peak_gflops(), int8=ceilings.int8_peak_gops(),
+    from llambda.runtime.native.quant import widest_qgemm_isa
+    int8_isa = widest_qgemm_isa()
+    peaks = dict(fma=ceilings.fma_peak_gflops(), int8=ceilings.int8_peak_gops(int8_isa),
                  bw=ceilings.read_bandwidth_gbs(1))
     zmm = ceilings.fma_peak_gflops("avx512")
     print(f"ceilings (measured, one core): FMA {peaks['fma']:.0f} GFLOP/s with ymm"
           + (f" ({zmm:.0f} with zmm)" if zmm else "")
-          + f", INT8 {peaks['int8']:.0f} GOP/s (vpmaddubsw+vpmaddwd, ymm), read {peaks['bw']:.1f} GB/s; "
-          "% of ceiling is against the ymm figures")
+          + f", INT8 {peaks['int8']:.0f} GOP/s ({'vpdpbusd zmm' if int8_isa == 'avx512' else 'vpmaddubsw+vpmaddwd ymm'},"
+          f" the int8 GEMM's ISA), read {peaks['bw']:.1f} GB/s. FP32 % of ceiling is against the ymm FMA peak"
+          " (the float kernels are AVX2).")
     print()
     print("| kernel | m | n x k | llambda | numpy f32 | vs numpy | % of ceiling |")
     print("|---|---:|---|---:|---:|---:|---:|")

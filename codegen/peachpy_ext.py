@@ -1,0 +1,106 @@
+"""Extensions to the 2021 PeachPy that the AVX-512 kernels need (no kernels here).
+
+- ``VPDPBUSD``: the AVX512_VNNI int8 dot-product instruction, with its own EVEX encoding;
+- ``broadcast``: a {1to16} dword operand, guarding a PeachPy displacement misencoding;
+- ``UpperZmmFunction`` / ``upper_zmm_function``: functions that may name zmm16-31,
+  which PeachPy's register allocator never hands out.
+"""
+from collections import Counter
+
+import peachpy
+import peachpy.stream
+from peachpy import Argument
+from peachpy.x86_64 import Function, dword
+from peachpy.x86_64 import isa as peachpy_isa
+from peachpy.x86_64.encoding import evex, modrm_sib_disp
+from peachpy.x86_64.instructions import Instruction
+from peachpy.x86_64.operand import check_operand, is_zmm, is_m512_m32bcst
+from peachpy.x86_64.registers import XMMRegister
+import peachpy.x86_64.registers as peachpy_registers
+
+from .common import C_TYPES, ISAS as ISA_TARGETS
+
+
+def broadcast(address):
+    """A dword memory operand broadcast to 16 lanes (``{1to16}``).
+
+    PeachPy (2021) encodes an 8-bit displacement of a broadcast operand scaled by the vector
+    size (64) where the CPU scales it by the element size (4): a displacement that is a
+    nonzero multiple of 64 would silently address the wrong byte. Other displacements get a
+    32-bit encoding, which is right."""
+    operand = dword.to16[address[0] if isinstance(address, list) else address]
+    displacement = getattr(operand.address, "displacement", 0)
+    if displacement and displacement % 64 == 0:
+        raise ValueError(f"broadcast operand {operand}: PeachPy misencodes this displacement")
+    return operand
+
+
+class VPDPBUSD(Instruction):
+    """vpdpbusd zmm1, zmm2, zmm3/m512/m32bcst (AVX512_VNNI): each int32 lane of zmm1 += the
+    four products of zmm2's unsigned bytes and zmm3's signed bytes (no saturation).
+
+    The 2021 PeachPy predates VNNI. Encoding EVEX.512.66.0F38.W0 50 /r, the same as the EVEX
+    vpmaddubsw (66.0F38 04) but for the opcode; a broadcast's 8-bit displacement is scaled
+    by 4. PeachPy knows no VNNI extension: the target check sees AVX512BW, and the runtime
+    checks the CPU's avx512_vnni flag before choosing these kernels."""
+
+    def __init__(self, accumulator, unsigned, signed):
+        super().__init__("VPDPBUSD")
+        self.operands = tuple(map(check_operand, (accumulator, unsigned, signed)))
+        acc, uns, sig = self.operands
+        self.in_regs = (True, True, True)
+        self.out_regs = (True, False, False)
+        self.out_operands = (True, False, False)
+        self.avx_mode = True
+        self.isa_extensions = frozenset([peachpy_isa.avx512bw])
+        if not (is_zmm(acc) and is_zmm(uns)):
+            raise SyntaxError(f"VPDPBUSD: expected zmm, zmm, zmm/m512/m32bcst, got {self.operands}")
+        if is_zmm(sig):
+            self.encodings.append((0x00, lambda op: bytearray([
+                0x62,
+                ((op[0].hcode << 7) | (op[2].ehcode << 5) | (op[0].ecode << 4)) ^ 0xF2,
+                0x7D ^ (op[1].hlcode << 3),
+                (op[1].ecode << 3 ^ 0x8) | 0x40,
+                0x50,
+                0xC0 | op[0].lcode << 3 | op[2].lcode])))
+        elif is_m512_m32bcst(sig):
+            scale = 4 if sig.broadcast else 64
+            self.encodings.append((0x10, lambda op, sib=False, min_disp=0: (
+                evex(0b10, 0x05, 0b10, op[0].ehcode, op[2].address, op[1].code, b=op[2].bcode)
+                + bytearray([0x50])
+                + modrm_sib_disp(op[0].lcode, op[2].address, sib, min_disp, disp8xN=scale))))
+        else:
+            raise SyntaxError(f"VPDPBUSD: expected zmm, zmm, zmm/m512/m32bcst, got {self.operands}")
+        if peachpy.stream.active_stream is not None:
+            peachpy.stream.active_stream.add_instruction(self)
+
+
+class UpperZmmFunction(Function):
+    """A PeachPy function that also names zmm16-31 directly.
+
+    The 2021 PeachPy allocates virtual vector registers only to xmm/ymm/zmm0-15 (its SysV
+    table predates AVX-512), and its check that live registers fit counts physical ones
+    against that limit of 16. zmm16-31 are caller-saved and the allocator never hands them
+    out, so naming them leaves the virtual registers their 16; this check leaves them out.
+    Only EVEX instructions can name them, and PeachPy picks an EVEX form (or refuses) for
+    a physical register >= 16."""
+
+    LIMITS = {peachpy_registers.GeneralPurposeRegister._kind: 15, peachpy_registers.MMXRegister._kind: 8,
+              XMMRegister._kind: 16, peachpy_registers.KRegister._kind: 8}
+
+    def _check_live_registers(self):
+        for instruction in self._instructions:
+            live = Counter(reg.kind for reg in instruction.live_registers if not _is_upper_vector(reg))
+            if any(count > self.LIMITS.get(kind, count) for kind, count in live.items()):
+                raise peachpy.RegisterAllocationError(
+                    f"more live virtual registers than physical ones at {instruction}")
+
+
+def _is_upper_vector(reg):
+    return reg.kind == XMMRegister._kind and not reg.is_virtual and reg.physical_id >= 16
+
+
+def upper_zmm_function(name, signature, isa):
+    """``common.function`` for an UpperZmmFunction."""
+    arguments = tuple(Argument(C_TYPES[ctype], name=argname) for argname, ctype in signature)
+    return UpperZmmFunction(name, arguments, target=ISA_TARGETS[isa]["target"]), arguments

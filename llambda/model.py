@@ -51,7 +51,10 @@ class LlamaModel:
         self.k_cache = [buffers.zeros((c.n_kv_head, n_ctx, c.head_dim)) for _ in range(c.n_layer)]
         self.v_cache = [buffers.zeros((c.n_kv_head, n_ctx, c.head_dim)) for _ in range(c.n_layer)]
         self.att_scratch = backend.attention_scratch(n_ctx, max_batch)
-        self.rope_cos, self.rope_sin = backend.rope_tables(n_ctx, c.head_dim, c.rope_base, c.rope_style)
+        # Llama 3 GGUFs carry per-frequency divisors as a tensor; partial rotation via rope_dim
+        self.rope_cos, self.rope_sin = backend.rope_tables(n_ctx, c.head_dim, c.rope_base, c.rope_style,
+                                                           n_rot=c.rope_dim,
+                                                           freq_factors=weights.get("rope_freqs.weight"))
         self.linear = Linear(backend, max_batch, max(c.dim, c.ffn_dim, q_dim))
         self.att_scale = 1.0 / np.sqrt(c.head_dim)
 

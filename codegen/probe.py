@@ -11,7 +11,7 @@ Twelve chains hide the 4-cycle latency on two FMA ports. Nothing is stored,
 so the result registers are discarded; the loops are what is timed.
 """
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, RETURN, SUB, JNZ, ADD, MOV,
-                            VXORPS, VFMADD231PS, VPMADDUBSW, VPMADDWD, VPADDD, VMOVAPS, VPXOR, VPXORD,
+                            VXORPS, VFMADD231PS, VPMADDUBSW, VPMADDWD, VPADDD, VPXOR, VPXORD,
                             ZMMRegister)
 
 from .common import Kernel, function, symbol
@@ -21,57 +21,22 @@ CHAINS = 12
 ISAS = ("avx2", "avx512")
 
 
-def emit_fma(isa):
+def emit_chains(isa, op, instruction):
+    """``CHAINS`` independent accumulators, each updated by ``instruction(acc, a, b)`` per
+    iteration: ymm registers for avx2, zmm for avx512 (zeroed with the EVEX vpxord)."""
+    register, zero = (YMMRegister, VXORPS) if isa == "avx2" else (ZMMRegister, VPXORD)
     sig = [("iters", "size_t")]
-    fn, (iters,) = function(symbol("probe", "fma", "", isa), sig, isa)
+    fn, (iters,) = function(symbol("probe", op, "", isa), sig, isa)
     with fn:
         n = GeneralPurposeRegister64()
         LOAD.ARGUMENT(n, iters)
-        acc = [YMMRegister() for _ in range(CHAINS)]
-        a, b = YMMRegister(), YMMRegister()
+        acc = [register() for _ in range(CHAINS)]
+        a, b = register(), register()
         for r in acc + [a, b]:
-            VXORPS(r, r, r)
+            zero(r, r, r)
         with Loop() as loop:
             for r in acc:
-                VFMADD231PS(r, a, b)
-            SUB(n, 1)
-            JNZ(loop.begin)
-        RETURN()
-    return Kernel(fn, "probe", isa, tile=str(CHAINS), args=sig)
-
-
-def emit_fma_zmm(isa):
-    sig = [("iters", "size_t")]
-    fn, (iters,) = function(symbol("probe", "fma", "", isa), sig, isa)
-    with fn:
-        n = GeneralPurposeRegister64()
-        LOAD.ARGUMENT(n, iters)
-        acc = [ZMMRegister() for _ in range(CHAINS)]
-        a, b = ZMMRegister(), ZMMRegister()
-        for r in acc + [a, b]:
-            VPXORD(r, r, r)
-        with Loop() as loop:
-            for r in acc:
-                VFMADD231PS(r, a, b)
-            SUB(n, 1)
-            JNZ(loop.begin)
-        RETURN()
-    return Kernel(fn, "probe", isa, tile=str(CHAINS), args=sig)
-
-
-def emit_int8_vnni(isa):
-    sig = [("iters", "size_t")]
-    fn, (iters,) = function(symbol("probe", "int8", "", isa), sig, isa)
-    with fn:
-        n = GeneralPurposeRegister64()
-        LOAD.ARGUMENT(n, iters)
-        acc = [ZMMRegister() for _ in range(CHAINS)]
-        a, b = ZMMRegister(), ZMMRegister()
-        for r in acc + [a, b]:
-            VPXORD(r, r, r)
-        with Loop() as loop:
-            for r in acc:
-                VPDPBUSD(r, a, b)
+                instruction(r, a, b)
             SUB(n, 1)
             JNZ(loop.begin)
         RETURN()
@@ -129,5 +94,5 @@ def emit_read(isa):
 
 def emit(isa):
     if isa == "avx512":
-        return [emit_fma_zmm(isa), emit_int8_vnni(isa)]
-    return [emit_fma(isa), emit_int8(isa), emit_read(isa)]
+        return [emit_chains(isa, "fma", VFMADD231PS), emit_chains(isa, "int8", VPDPBUSD)]
+    return [emit_chains(isa, "fma", VFMADD231PS), emit_int8(isa), emit_read(isa)]

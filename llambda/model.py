@@ -59,6 +59,11 @@ class LlamaModel:
         self.att_scale = 1.0 / np.sqrt(c.head_dim)
 
         # The plan path (AVX2): a pinned worker pool and one plan per (chunk size, with LM head).
+        # The token embedding is looked up inside the plan (the kernel reads token_ids)
+        # when its kind has a kernel; otherwise numpy fills x before the plan runs.
+        from llambda.runtime.native.embed import EMBED_KINDS
+        self.token_ids = buffers.zeros(max_batch, np.int32)
+        self._embed_in_plan = backend.name == "avx2" and self.embedding.kind in EMBED_KINDS
         self.pool = None
         self._plans = {}
         if backend.name == "avx2":
@@ -82,7 +87,11 @@ class LlamaModel:
             chunk = ids[start:start + self.max_batch]
             m = len(chunk)
             last = start + m == len(ids)
-            self.x[:m] = layouts.rows(self.embedding, chunk)
+            if min(chunk) < 0 or max(chunk) >= self.embedding.n:     # the embed kernel trusts ids
+                raise ValueError(f"token ids must be in [0, {self.embedding.n}), got {min(chunk)}..{max(chunk)}")
+            self.token_ids[:m] = chunk
+            if not self._embed_in_plan:
+                self.x[:m] = layouts.rows(self.embedding, chunk)
             self.positions[:m] = range(pos0 + start, pos0 + start + m)
             with_head = last and not all_logits
             if self.pool is not None:
@@ -125,12 +134,15 @@ class LlamaModel:
 
     # -- the math ---------------------------------------------------------------
     def _blocks(self, be, lin, m, pos0):
-        """Every transformer block over the chunk's m tokens (embeddings already in x)."""
+        """Every transformer block over the chunk's m tokens (their embeddings in x, or
+        looked up first from token_ids when the plan does it)."""
         c = self.config
         x, xn, proj = self.x[:m], self.xn[:m], self.proj[:m]
         q, k, v, att = self.q[:m], self.k[:m], self.v[:m], self.att[:m]
         gate, up = self.gate[:m], self.up[:m]
         positions = self.positions[:m]
+        if self._embed_in_plan:
+            be.embed(self.embedding, self.token_ids[:m], x)
         q_heads = q.reshape(m, c.n_head, c.head_dim)
         k_heads = k.reshape(m, c.n_kv_head, c.head_dim)
         v_heads = v.reshape(m, c.n_kv_head, c.head_dim)

@@ -16,7 +16,8 @@ barrier before an op that reads what another may still be writing, or writes
 what another may still be reading. Q, K and V projections of the same input,
 for example, run back to back without one.
 
-``positions``-reading ops (rope, kv_store) stay valid as the sequence grows;
+Ops that read their indices from memory when they run (rope and kv_store read
+``positions``, embed reads the token ids) stay valid as the sequence grows;
 ``attention``'s ``pos0`` is a plain argument, so the recorder remembers where
 it lives and ``set_pos0`` patches it in every record with one numpy write.
 """

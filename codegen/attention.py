@@ -38,9 +38,9 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR,
                             VMOVUPS, VMOVAPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VANDPS,
                             VFMADD231PS, VADDPS, VSUBPS, VMULPS, VMULSS, VDIVPS, VMAXPS, VHADDPS,
-                            VPERM2F128, VPERMILPS, VBLENDPS, VBLENDVPS, VEXTRACTF128)
+                            VPERM2F128, VBLENDPS, VBLENDVPS, VEXTRACTF128)
 
-from .common import Kernel, function, symbol, tail_mask
+from .common import Kernel, fold_lanes, function, symbol, tail_mask
 from .vmath import exp_ps
 
 LANES = 8
@@ -127,17 +127,6 @@ def reduce_to_scalar(acc):
     VEXTRACTF128(high.as_xmm, acc, 1)
     VADDPS(acc.as_xmm, acc.as_xmm, high.as_xmm)
     return acc.as_xmm
-
-
-def broadcast_all_lanes(x, combine):
-    """Combine (max or add) all 8 lanes of ``x`` so every lane holds the result."""
-    t = YMMRegister()
-    VPERM2F128(t, x, x, 0x01)
-    combine(x, x, t)
-    VPERMILPS(t, x, 0b01001110)
-    combine(x, x, t)
-    VPERMILPS(t, x, 0b10110001)
-    combine(x, x, t)
 
 
 # ---------------------------------------------------------------- pass 1: scores
@@ -286,7 +275,7 @@ def emit_softmax_row(frame, score_row):
         VBLENDVPS(x, neg_inf, x, mask)
         VMAXPS(peak, peak, x)
     for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked)
-    broadcast_all_lanes(peak, VMAXPS)
+    fold_lanes(VMAXPS, peak)
 
     total = YMMRegister()
     VXORPS(total, total, total)
@@ -306,7 +295,7 @@ def emit_softmax_row(frame, score_row):
             VMASKMOVPS([p], mask, x)
         VADDPS(total, total, x)
     for_each_chunk(exp_chunk, exp_chunk)
-    broadcast_all_lanes(total, VADDPS)
+    fold_lanes(VADDPS, total)
 
     inverse = YMMRegister()
     VMOVAPS(inverse, Constant.float32x8(1.0))

@@ -83,3 +83,19 @@ def tail_mask(mask, remaining):
     VMOVD(mask.as_xmm, remaining.as_dword)
     VPBROADCASTD(mask, mask.as_xmm)
     VPCMPGTD(mask, mask, Constant.uint32x8(0, 1, 2, 3, 4, 5, 6, 7))
+
+
+def fold_lanes(op, acc, tmp=None, integer=False):
+    """Combine the 8 lanes of ``acc`` with ``op`` (VADDPS, VMAXPS, VPADDD...) so every lane
+    holds the result. The butterfly pairs lanes symmetrically, so all lanes end bitwise
+    equal and no broadcast is needed afterwards. ``integer`` uses the integer-domain
+    shuffles (VPERM2I128, VPSHUFD) to stay off the float bypass."""
+    from peachpy.x86_64 import YMMRegister, VPERM2F128, VPERM2I128, VPERMILPS, VPSHUFD
+    permute_halves, shuffle = (VPERM2I128, VPSHUFD) if integer else (VPERM2F128, VPERMILPS)
+    tmp = tmp if tmp is not None else YMMRegister()
+    permute_halves(tmp, acc, acc, 0x01)
+    op(acc, acc, tmp)
+    shuffle(tmp, acc, 0b01001110)
+    op(acc, acc, tmp)
+    shuffle(tmp, acc, 0b10110001)
+    op(acc, acc, tmp)

@@ -21,7 +21,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, 
                             VXORPD, VUCOMISS, VCVTSS2SD, VCVTSI2SD, VDIVSD, VADDSD, VSQRTSD, VMOVAPD,
                             VCVTSD2SS)
 
-from .common import Kernel, function, symbol, tail_mask
+from .common import Kernel, fold_lanes, function, symbol, tail_mask
 from .vmath import exp_ps
 
 FAMILY = "elementwise"
@@ -127,20 +127,6 @@ def load_float_argument(arg):
     LOAD.ARGUMENT(value.as_xmm, arg)
     VBROADCASTSS(value, value.as_xmm)
     return value
-
-
-def fold_lanes(op, acc):
-    """Combine the 8 lanes of ``acc`` with ``op`` (VADDPS, VMAXPS) so every lane holds the result.
-
-    The butterfly pairs lanes symmetrically, so all lanes end bitwise equal
-    and no broadcast is needed afterwards."""
-    swapped = YMMRegister()
-    VPERM2F128(swapped, acc, acc, 0x01)
-    op(acc, acc, swapped)
-    VPERMILPS(swapped, acc, 0b01001110)
-    op(acc, acc, swapped)
-    VPERMILPS(swapped, acc, 0b10110001)
-    op(acc, acc, swapped)
 
 
 def combine(op, accumulators):

@@ -13,25 +13,15 @@ multiple of 32 is simply ``m * k / 32`` consecutive blocks.
 """
 from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, RETURN, ADD, SUB, JNZ,
-                            VMOVAPS, VANDPS, VMAXPS, VMINPS, VPERM2F128, VPERMILPS, VDIVPS, VMULPS,
-                            VCVTPS2DQ, VCVTDQ2PS, VPADDD, VPERM2I128, VPSHUFD, VPACKSSDW, VPACKSSWB,
+                            VMOVAPS, VANDPS, VMAXPS, VMINPS, VDIVPS, VMULPS,
+                            VCVTPS2DQ, VCVTDQ2PS, VPADDD, VPACKSSDW, VPACKSSWB,
                             VPERMD, VMOVDQA, VMOVSS)
 
-from .common import Kernel, function, symbol
+from .common import Kernel, fold_lanes, function, symbol
 
 BLOCK = 32
 LANES = 8
 FLT_MAX = 3.4028234663852886e38
-
-
-def _all_lanes(reduce, v, tmp, permute_halves, shuffle):
-    """Reduce the 8 lanes of ``v`` with ``reduce`` (max or add); every lane ends holding the result."""
-    permute_halves(tmp, v, v, 0x01)
-    reduce(v, v, tmp)
-    shuffle(tmp, v, 0b01001110)
-    reduce(v, v, tmp)
-    shuffle(tmp, v, 0b10110001)
-    reduce(v, v, tmp)
 
 
 def emit_quantize_q8(isa):
@@ -52,7 +42,7 @@ def emit_quantize_q8(isa):
             for v in values[1:]:
                 VANDPS(tmp, v, Constant.uint32x8(0x7FFFFFFF))
                 VMAXPS(amax, amax, tmp)
-            _all_lanes(VMAXPS, amax, tmp, VPERM2F128, VPERMILPS)
+            fold_lanes(VMAXPS, amax, tmp)
             VDIVPS(scale, amax, Constant.float32x8(127.0))
             # 1/0 = inf for an all-zero block; capped, 0 * FLT_MAX still gives q = 0
             VMOVAPS(inverse, Constant.float32x8(1.0))
@@ -67,7 +57,7 @@ def emit_quantize_q8(isa):
             VPADDD(tmp, values[0], values[1])
             VPADDD(amax, values[2], values[3])
             VPADDD(amax, amax, tmp)
-            _all_lanes(VPADDD, amax, tmp, VPERM2I128, VPSHUFD)
+            fold_lanes(VPADDD, amax, tmp, integer=True)
             VCVTDQ2PS(amax, amax)
             VMULPS(amax, amax, scale)
             VMOVSS([d], scale.as_xmm)

@@ -118,7 +118,8 @@ class Model:
 
     # -- generation -------------------------------------------------------------
     def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                 repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True):
+                 repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True,
+                 ignore_eos=False):
         """Yield the text of the continuation of ``prompt`` (a string or a list of token ids)."""
         from .sampling import Sampler
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -129,7 +130,7 @@ class Model:
         if truncate and len(ids) > self.n_ctx - 1:
             ids = ids[-(self.n_ctx - 1):]
         self._check_ids(ids)
-        return generation.generate(self, ids, sampler, max_tokens, stop, stats)
+        return generation.generate(self, ids, sampler, max_tokens, stop, stats, ignore_eos=ignore_eos)
 
     def render_chat(self, messages, add_generation_prompt=True):
         from .chat_template import render_chat

@@ -39,11 +39,13 @@ def _add_sampling_options(p, max_tokens=128):
     p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R")
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
 
 
 def _sampling_kwargs(args):
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos)
 
 
 def _load(args):

@@ -66,7 +66,7 @@ class StopStrings:
         return out
 
 
-def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None):
+def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None, ignore_eos=False):
     """Yield text pieces of the continuation of ``prompt_ids`` (decoded, UTF-8 complete)."""
     stats = stats if stats is not None else Stats()
     tok = model.tokenizer
@@ -83,7 +83,7 @@ def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None):
         if i == 0:
             stats.first_token_s = time.perf_counter() - t0
             t_decode = time.perf_counter()
-        if token in tok.eog_ids:
+        if token in tok.eog_ids and not ignore_eos:
             stats.stop_reason = "eos"
             break
         history.append(token)

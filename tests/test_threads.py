@@ -66,7 +66,7 @@ def test_bad_llambda_threads_variable(tiny):
 def test_ctrl_c_during_generation_exits_cleanly(tiny):
     """SIGINT mid-generation: the workers stop, the process exits promptly with 130."""
     proc = subprocess.Popen([sys.executable, "-m", "llambda.cli", "run", "--model", str(tiny), "--threads", "2",
-                             "--max-tokens", "1000000", "--ctx", "200000", "--temperature", "1"],
+                             "--max-tokens", "1000000", "--ctx", "200000", "--temperature", "1", "--ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # wait until it is generating (first bytes on stdout), then interrupt
     os.set_blocking(proc.stdout.fileno(), False)

@@ -8,8 +8,6 @@
 import os
 import time
 
-import numpy as np
-
 from . import generation
 from .errors import UserError
 

@@ -82,14 +82,17 @@ def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: 
                        ffn_dim: int, vocab_size: int, tensor_type: str = "Q4_1",
                        tied: bool = True, n_ctx: int = 2048, seed: int = 0,
                        rope_base: float = 10000.0, tokenizer_from=None,
-                       embed_type: str | None = None, rms_eps: float = 1e-5) -> Path:
+                       embed_type: str | None = None, rms_eps: float = 1e-5,
+                       rope_freqs: bool = False) -> Path:
     """Write a random-weight LLaMA GGUF to `path` and return the path.
 
     Linear weights use `tensor_type`, the token embedding `embed_type` (default:
     `tensor_type`), norms are always F32. With `tokenizer_from` (a GGUF path)
     every tokenizer.* key is copied from that file and vocab_size becomes its
     vocabulary size; otherwise a small self-contained byte-level BPE vocabulary
-    is written and padded with unused tokens up to `vocab_size`.
+    is written and padded with unused tokens up to `vocab_size`. `rope_freqs` adds
+    Llama 3's `rope_freqs.weight` (per-frequency divisors of the RoPE angles, here
+    random in about [2, 4]).
     """
     embed_type = embed_type or tensor_type
     tokenizer = _copied_tokenizer(tokenizer_from) if tokenizer_from else None
@@ -103,6 +106,8 @@ def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: 
     plans = _tensor_plans(n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head,
                           ffn_dim=ffn_dim, vocab_size=vocab_size, tensor_type=tensor_type,
                           embed_type=embed_type, tied=tied)
+    if rope_freqs:
+        plans.append(_TensorPlan("rope_freqs.weight", (dim // n_head // 2,), "F32", std=0.5, mean=3.0))
     path = Path(path)
     writer = gguf.GGUFWriter(path=None, arch="llama")
     _add_hparams(writer, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head,

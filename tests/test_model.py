@@ -75,3 +75,13 @@ def test_decode_step_by_step_equals_prefill(tiny_model):
     for i in range(1, len(ids) + 1):
         step = model.evaluate(ids[:i])
         np.testing.assert_allclose(step, full[i - 1], rtol=0, atol=1e-4 * (1 + np.abs(full).max()))
+
+
+def test_llama3_rope_frequency_factors(tmp_path):
+    """A GGUF with rope_freqs.weight (Llama 3): the divisors reach the RoPE tables."""
+    path = tmp_path / "llama3-style.gguf"
+    write_random_llama(path, tensor_type="F32", seed=3, n_ctx=256, rope_freqs=True, **SHAPES["float"])
+    model = llambda.load(path, n_ctx=256, progress=False)
+    ids = _prompt(model.config.vocab_size, 40, 4)
+    ref = reference_logits(str(path), ids)
+    np.testing.assert_allclose(model.logits(ids), ref, rtol=0, atol=1e-3 * (1 + np.abs(ref).max()))

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 
 from peachpy import Argument, ptr, const_float_, float_, size_t, int32_t, uint32_t, \
     int8_t, const_int8_t, uint8_t, const_uint8_t, uint16_t, const_uint16_t, const_int32_t
-from peachpy.x86_64 import Function, uarch
+from peachpy import Constant
+from peachpy.x86_64 import (Function, uarch, Loop, Block, YMMRegister, CMP, JB, JAE, JZ, ADD, SUB, TEST,
+                            VMOVD, VPBROADCASTD, VPCMPGTD, VPERM2F128, VPERM2I128, VPERMILPS, VPSHUFD,
+                            VMOVUPS, VMASKMOVPS)
 
 # The ISAs we emit for. AVX2+FMA(+F16C) is the baseline every kernel has.
 ISAS = {
@@ -78,8 +81,6 @@ def tail_mask(mask, remaining):
 
     ``remaining`` is a 64-bit GP register holding 1..8. Built from a compare
     against the lane index, so it needs no table and no RIP-relative indexing."""
-    from peachpy import Constant
-    from peachpy.x86_64 import VMOVD, VPBROADCASTD, VPCMPGTD
     VMOVD(mask.as_xmm, remaining.as_dword)
     VPBROADCASTD(mask, mask.as_xmm)
     VPCMPGTD(mask, mask, Constant.uint32x8(0, 1, 2, 3, 4, 5, 6, 7))
@@ -90,7 +91,6 @@ def fold_lanes(op, acc, tmp=None, integer=False):
     holds the result. The butterfly pairs lanes symmetrically, so all lanes end bitwise
     equal and no broadcast is needed afterwards. ``integer`` uses the integer-domain
     shuffles (VPERM2I128, VPSHUFD) to stay off the float bypass."""
-    from peachpy.x86_64 import YMMRegister, VPERM2F128, VPERM2I128, VPERMILPS, VPSHUFD
     permute_halves, shuffle = (VPERM2I128, VPSHUFD) if integer else (VPERM2F128, VPERMILPS)
     tmp = tmp if tmp is not None else YMMRegister()
     permute_halves(tmp, acc, acc, 0x01)
@@ -99,3 +99,61 @@ def fold_lanes(op, acc, tmp=None, integer=False):
     op(acc, acc, tmp)
     shuffle(tmp, acc, 0b10110001)
     op(acc, acc, tmp)
+
+
+# Streaming loops over f32 arrays (elementwise kernels, the executor's copy).
+LANES = 8
+VECTOR_BYTES = 32
+
+
+class Vector:
+    """One 8-lane vector of a stream: lanes ``index + 32*group`` bytes from any base pointer.
+
+    ``mask`` is None for a whole vector, else the tail's lane mask: masked
+    loads give 0 in the unused lanes and masked stores leave memory alone."""
+
+    def __init__(self, index, group, mask=None):
+        self.index, self.group, self.mask = index, group, mask
+
+    def address(self, base):
+        return [base + self.index * 1 + VECTOR_BYTES * self.group]
+
+    def load(self, reg, base):
+        if self.mask is None:
+            VMOVUPS(reg, self.address(base))
+        else:
+            VMASKMOVPS(reg, self.mask, self.address(base))
+
+    def store(self, base, reg):
+        if self.mask is None:
+            VMOVUPS(self.address(base), reg)
+        else:
+            VMASKMOVPS(self.address(base), self.mask, reg)
+
+
+def stream(count, indices, step, unroll):
+    """Emit a loop over ``count`` floats (a GP register; consumed).
+
+    ``step(*vectors)`` emits the work of one vector, one ``Vector`` per byte
+    index register in ``indices`` (they all advance together; the caller
+    zeroes or sets them). The unrolled loop passes groups 0..unroll-1, so a
+    step can keep one accumulator per group."""
+    for width in sorted({unroll, 1}, reverse=True):
+        loop = Loop()
+        CMP(count, width * LANES)
+        JB(loop.end)
+        with loop:
+            for group in range(width):
+                step(*(Vector(index, group) for index in indices))
+            for index in indices:
+                ADD(index, width * VECTOR_BYTES)
+            SUB(count, width * LANES)
+            CMP(count, width * LANES)
+            JAE(loop.begin)
+    tail = Block()
+    with tail:
+        TEST(count, count)
+        JZ(tail.end)
+        mask = YMMRegister()
+        tail_mask(mask, count)
+        step(*(Vector(index, 0, mask) for index in indices))

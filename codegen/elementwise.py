@@ -13,20 +13,18 @@ prefill batch is one call. They are memory-bound: each pass over a row after
 the first hits L1, and no pass does a horizontal operation inside its loop.
 """
 from peachpy import Constant
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, LOAD, Loop, Block,
-                            RETURN, LABEL, Label, JMP, JB, JAE, JZ, JNZ, JBE, CMP, ADD, SUB, TEST, MOV, IMUL,
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, LOAD, Loop,
+                            RETURN, LABEL, Label, JMP, JB, JNZ, JBE, ADD, SUB, MOV, IMUL,
                             LEA, SHL, SHR, XOR, VADDPS, VMULPS, VDIVPS, VSUBPS, VMAXPS, VANDPS, VXORPS,
-                            VMOVUPS, VMOVAPS, VMASKMOVPS, VBROADCASTSS, VBLENDVPS, VPERMILPS, VPERM2F128,
+                            VMOVAPS, VBROADCASTSS, VBLENDVPS, VPERMILPS, VPERM2F128,
                             VFMADD231PS, VCVTPS2PD, VEXTRACTF128, VFMADD231PD, VADDPD, VPERMILPD,
                             VXORPD, VUCOMISS, VCVTSS2SD, VCVTSI2SD, VDIVSD, VADDSD, VSQRTSD, VMOVAPD,
                             VCVTSD2SS)
 
-from .common import Kernel, fold_lanes, function, symbol, tail_mask
+from .common import LANES, Kernel, fold_lanes, function, stream, symbol
 from .vmath import exp_ps
 
 FAMILY = "elementwise"
-LANES = 8
-VECTOR_BYTES = 32
 FLOAT_BYTES = 4
 
 # Vectors per unrolled step: enough independent work to hide latency, small
@@ -41,59 +39,6 @@ RMS_F32_SUM_MIN = 2.0 ** -60
 
 
 # --------------------------------------------------------------------------- stream loops
-
-class Vector:
-    """One 8-lane vector of a stream: lanes ``index + 32*group`` bytes from any base pointer.
-
-    ``mask`` is None for a whole vector, else the tail's lane mask: masked
-    loads give 0 in the unused lanes and masked stores leave memory alone."""
-
-    def __init__(self, index, group, mask=None):
-        self.index, self.group, self.mask = index, group, mask
-
-    def address(self, base):
-        return [base + self.index * 1 + VECTOR_BYTES * self.group]
-
-    def load(self, reg, base):
-        if self.mask is None:
-            VMOVUPS(reg, self.address(base))
-        else:
-            VMASKMOVPS(reg, self.mask, self.address(base))
-
-    def store(self, base, reg):
-        if self.mask is None:
-            VMOVUPS(self.address(base), reg)
-        else:
-            VMASKMOVPS(self.address(base), self.mask, reg)
-
-
-def stream(count, indices, step, unroll):
-    """Emit a loop over ``count`` floats (a GP register; consumed).
-
-    ``step(*vectors)`` emits the work of one vector, one ``Vector`` per byte
-    index register in ``indices`` (they all advance together; the caller
-    zeroes or sets them). The unrolled loop passes groups 0..unroll-1, so a
-    step can keep one accumulator per group."""
-    for width in sorted({unroll, 1}, reverse=True):
-        loop = Loop()
-        CMP(count, width * LANES)
-        JB(loop.end)
-        with loop:
-            for group in range(width):
-                step(*(Vector(index, group) for index in indices))
-            for index in indices:
-                ADD(index, width * VECTOR_BYTES)
-            SUB(count, width * LANES)
-            CMP(count, width * LANES)
-            JAE(loop.begin)
-    tail = Block()
-    with tail:
-        TEST(count, count)
-        JZ(tail.end)
-        mask = YMMRegister()
-        tail_mask(mask, count)
-        step(*(Vector(index, 0, mask) for index in indices))
-
 
 def stream_row(length, step, unroll, extra_offsets=()):
     """``stream`` over one row of ``length`` floats with fresh index registers.

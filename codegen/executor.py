@@ -61,9 +61,9 @@ timed, ~30 ns for one with a barrier). The untimed executor has none of
 this: profiling costs nothing when it is off.
 """
 import peachpy.stream
-from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, OR, IMUL, CMP, TEST,
-                            JZ, JNZ, JE, JNE, JAE, JB, JMP, CALL, PAUSE, MFENCE, LFENCE, SYSCALL, Loop, Block,
-                            VMOVSS, VMOVUPS, VMASKMOVPS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
+from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, OR, XOR, IMUL, CMP, TEST,
+                            JZ, JNZ, JE, JNE, JAE, JMP, CALL, PAUSE, MFENCE, LFENCE, SYSCALL, Loop, Block,
+                            VMOVSS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
                             qword, dword, rax, rbx, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13,
                             r14, r15, eax, xmm0, xmm1)
 
@@ -71,7 +71,7 @@ from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND,
 from peachpy.x86_64.registers import rsp
 from peachpy.x86_64.instructions import Instruction
 
-from .common import Kernel, function, symbol, tail_mask
+from .common import LANES, Kernel, function, stream, symbol
 
 RECORD_BYTES = 128
 FN_OFFSET = 0
@@ -278,36 +278,23 @@ def _barrier(epoch, sync_base, finished):
 
 
 def emit_copy(isa):
-    """dst[i] = src[i] for i < n (the model writes K/V rows into the cache with it)."""
+    """dst[i] = src[i] for i < n: the plan tests' workhorse (chains of dependent copies)."""
     sig = [("src", "const float*"), ("dst", "float*"), ("n", "size_t")]
     fn, args = function(symbol("copy", "f32", "", isa), sig, isa)
-    lanes = 8
     with fn:
-        src, dst, n = (GeneralPurposeRegister64() for _ in range(3))
+        src, dst, n, index = (GeneralPurposeRegister64() for _ in range(4))
         for reg, arg in zip((src, dst, n), args):
             LOAD.ARGUMENT(reg, arg)
-        x = YMMRegister()
-        full = Loop()
-        CMP(n, lanes)
-        JB(full.end)
-        with full:
-            VMOVUPS(x, [src])
-            VMOVUPS([dst], x)
-            ADD(src, 32)
-            ADD(dst, 32)
-            SUB(n, lanes)
-            CMP(n, lanes)
-            JAE(full.begin)
-        tail = Block()
-        with tail:
-            TEST(n, n)
-            JZ(tail.end)
-            mask = YMMRegister()
-            tail_mask(mask, n)
-            VMASKMOVPS(x, mask, [src])
-            VMASKMOVPS([dst], mask, x)
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            x = YMMRegister()
+            v.load(x, src)
+            v.store(dst, x)
+
+        stream(n, [index], step, unroll=1)
         RETURN()
-    return Kernel(fn, "executor", isa, tile=f"{lanes}", args=sig)
+    return Kernel(fn, "executor", isa, tile=f"{LANES}", args=sig)
 
 
 def emit_echo_args(isa):

@@ -28,7 +28,6 @@ class LlamaModel:
         self.backend = backend
         self.n_ctx = n_ctx
         self.max_batch = max_batch = max(1, min(max_batch, n_ctx))
-        self.w = weights
         self.embedding = weights["token_embd.weight"]
         self.lm_head = self.embedding if c.tied_embeddings else weights["output.weight"]
         self.output_norm = weights["output_norm.weight"]

@@ -61,8 +61,6 @@ class PlanRecorder:
         self._pos0_slots = ([], [])        # (op handles, int-arg index) of attention's pos0
         self._pending_reads, self._pending_writes = [], []
         self._scratch = [backend.attention_scratch(n_ctx, 1) for _ in range(n_threads)]
-        self.rope_tables = backend.rope_tables
-        self.attention_scratch = backend.attention_scratch
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):

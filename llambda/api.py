@@ -28,6 +28,9 @@ class Model:
         from .model import LlamaModel
         from .tokenizer import Tokenizer
 
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
+        threads = _check_threads(threads)         # bad options fail before any file is read
         t0 = time.perf_counter()
         if path is None:
             path = default_model.model_path(progress=progress)
@@ -39,10 +42,8 @@ class Model:
         self.chat_template = tokenizer_md.get("tokenizer.chat_template")
         if n_ctx is None:
             n_ctx = min(self.config.n_ctx_train or DEFAULT_CTX, DEFAULT_CTX)
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
-            raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
         self.n_ctx = n_ctx
-        self.threads = _check_threads(threads)
+        self.threads = threads
         self.backend = get_backend(backend)
         self.net = LlamaModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
         self._cached = []            # token ids whose K/V are in the cache, in order

@@ -14,6 +14,8 @@ from peachpy.x86_64 import (Function, uarch, Loop, Block, YMMRegister, CMP, JB, 
                             VMOVD, VPBROADCASTD, VPCMPGTD, VPERM2F128, VPERM2I128, VPERMILPS, VPSHUFD,
                             VMOVUPS, VMASKMOVPS)
 
+from .contract import symbol  # noqa: F401  (re-exported: the generators name symbols with it)
+
 # The ISAs we emit for. AVX2+FMA(+F16C) is the baseline every kernel has.
 ISAS = {
     "avx2": dict(target=uarch.haswell, cpu_flags=("avx2", "fma", "f16c")),
@@ -53,16 +55,6 @@ class Kernel:
     @property
     def symbol(self):
         return self.function.name
-
-
-def symbol(op, types, tile, isa):
-    """``llb_<op>_<types>_<tile>__<isa>``: what a symbol is, readable from ``nm``."""
-    parts = ["llb", op]
-    if types:
-        parts.append(types)
-    if tile:
-        parts.append(tile)
-    return "_".join(parts) + "__" + isa
 
 
 def function(name, signature, isa):

@@ -25,7 +25,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, XMMRegister, YMMRegister, 
 from .common import Kernel, function, symbol
 
 FAMILY = "embed"
-GROUP = 8                # rows interleaved in a group
+from .contract import GROUP
 CHUNK_STRIDE = 32        # bytes from one 4-byte chunk of a row to its next
 SCALE_STRIDE = 2 * GROUP  # bytes from one f16 scale row of a block to the next field
 VECTOR_BYTES = 32

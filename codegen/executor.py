@@ -73,13 +73,8 @@ from peachpy.x86_64.instructions import Instruction
 
 from .common import LANES, Kernel, function, stream, symbol
 
-RECORD_BYTES = 128
-FN_OFFSET = 0
-FLOAT_ARGS_OFFSET = 8
-BARRIER_OFFSET = 16
-INT_ARGS_OFFSET = 24
-MAX_INT_ARGS = 13
-MAX_FLOAT_ARGS = 2
+from .contract import (RECORD_BYTES, FN_OFFSET, FLOAT_ARGS_OFFSET, BARRIER_OFFSET, INT_ARGS_OFFSET,
+                       MAX_INT_ARGS, MAX_FLOAT_ARGS, STAMP_WORDS)
 SYNC_LINE_BYTES = 64
 ABORT_OFFSET = 0
 
@@ -89,7 +84,6 @@ STACK_ARGS = MAX_INT_ARGS - len(INT_ARG_REGISTERS)
 STACK_ARGS_BYTES = (STACK_ARGS * 8 + 15) // 16 * 16
 SPINS_BEFORE_YIELD = 256
 SYS_SCHED_YIELD = 24
-STAMP_WORDS = 2             # per op: kernel returned, released (see the module docstring)
 STAMP_BYTES = 8 * STAMP_WORDS
 
 RECORD_SHIFT = RECORD_BYTES.bit_length() - 1

@@ -77,9 +77,7 @@ from .common import Kernel, function, symbol, tail_mask
 from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
-BLOCK = 32           # weights per block (GGUF)
-GROUP = 8            # weight rows per group = f32 lanes of one ymm output vector
-CHUNK = 4            # quant bytes of one row per 32-byte load
+from .contract import BLOCK, CHUNK, GROUP
 YMM_COUNT = 16
 # Decode streams the weights once: prefetching 16 KiB ahead lifts a cold single-thread
 # GEMV from ~32 to ~43 GB/s, the machine's read-probe bandwidth (measured 4-64 KiB).

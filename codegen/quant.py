@@ -19,7 +19,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, R
 
 from .common import Kernel, fold_lanes, function, symbol
 
-BLOCK = 32
+from .contract import BLOCK
 LANES = 8
 FLT_MAX = 3.4028234663852886e38
 

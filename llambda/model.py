@@ -15,6 +15,7 @@ backend the same code calls the reference ops directly.
 import numpy as np
 
 from llambda.runtime import buffers, layouts
+from llambda.runtime.kinds import traits
 from llambda.runtime.linear import Linear
 
 # Prompt tokens per prefill chunk: big enough for GEMM efficiency, small
@@ -60,12 +61,11 @@ class LlamaModel:
         # The plan path (AVX2): a pinned worker pool and one plan per (chunk size, with LM head).
         # The token embedding is looked up inside the plan (the kernel reads token_ids)
         # when its kind has a kernel; otherwise numpy fills x before the plan runs.
-        from llambda.runtime.native.embed import EMBED_KINDS
         self.token_ids = buffers.zeros(max_batch, np.int32)
-        self._embed_in_plan = backend.name == "avx2" and self.embedding.kind in EMBED_KINDS
+        self._embed_in_plan = backend.runs_plans and traits(self.embedding.kind).embed
         self.pool = None
         self._plans = {}
-        if backend.name == "avx2":
+        if backend.runs_plans:
             from llambda.runtime.pool import WorkerPool
             self.pool = WorkerPool(threads)
             self._plan(1, True)        # the decode plan: built with the model, not on the first token

@@ -21,9 +21,11 @@ class BackendError(RuntimeError):
     pass
 
 
-def _collect(package_name, name):
+def _collect(package_name, name, runs_plans):
     package = importlib.import_module(package_name)
-    ns = types.SimpleNamespace(name=name)
+    # runs_plans: the model records its ops into plans for the worker pool (native kernels),
+    # rather than calling them one by one (the numpy references)
+    ns = types.SimpleNamespace(name=name, runs_plans=runs_plans)
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_"):
             continue
@@ -40,7 +42,7 @@ def get_backend(name=None):
     """The backend ``name`` (``"avx2"`` or ``"numpy"``), default from ``LLAMBDA_BACKEND``."""
     name = name or os.environ.get("LLAMBDA_BACKEND") or ("avx2" if cpu.supports("avx2") else "numpy")
     if name == "numpy":
-        return _collect("llambda.runtime.ref", "numpy")
+        return _collect("llambda.runtime.ref", "numpy", runs_plans=False)
     if name == "avx2":
         missing = cpu.missing_flags("avx2")
         if missing:
@@ -48,5 +50,5 @@ def get_backend(name=None):
                                "use LLAMBDA_BACKEND=numpy")
         from . import library
         library.load("avx2")
-        return _collect("llambda.runtime.native", "avx2")
+        return _collect("llambda.runtime.native", "avx2", runs_plans=True)
     raise BackendError(f"LLAMBDA_BACKEND must be 'avx2' or 'numpy', got {name!r}")

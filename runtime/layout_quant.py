@@ -31,9 +31,7 @@ import numpy as np
 from . import buffers
 from .layouts import Layout, PackedWeight, register
 
-BLOCK = 32                  # weights per GGUF block
-GROUP = 8                   # rows interleaved together
-CHUNK = 4                   # bytes of one row per 32-byte load
+from ..codegen.contract import BLOCK, CHUNK, GROUP
 Q4_BYTES = BLOCK // 2       # quant bytes of a Q4 block (two nibbles a byte)
 
 # GGUF block layouts: (bytes per block, f16 scale fields in front of the quants)

@@ -1,16 +1,16 @@
 """The linear layer ``out = x . W^T`` for any packed weight kind, on one backend.
 
-Quantized weights (``q4_1``, ``q8_0``) multiply int8-quantized activations:
+Which op multiplies a kind, and with what activations, comes from the traits
+table (runtime/kinds.py). Quantized kinds multiply int8-quantized activations:
 ``Linear.load(x)`` remembers the activations and quantizes them at most once,
 on the first quantized weight that needs them, so Q, K and V (or gate and up)
-share one quantization. Float weights (``f32``, ``f16``) take x as is.
+share one quantization. Float kinds take x as is.
 """
 import numpy as np
 
 from . import buffers
-
-QUANT_BLOCK = 32
-QUANT_KINDS = ("q4_1", "q8_0")
+from ..codegen.contract import BLOCK as QUANT_BLOCK
+from .kinds import traits
 
 
 class Linear:
@@ -50,15 +50,9 @@ class Linear:
 
     def apply(self, w, out):
         """out[m, n] = x[m, k] . W[n, k]^T for the loaded x."""
-        if w.kind in QUANT_KINDS:
-            qs, d, s = self._quantized()
-            self.backend.qgemm(qs, d, s, w, out)
-        elif w.kind == "f32":
-            self.backend.gemm_f32(self._x, w, out)
-        elif w.kind == "f16":
-            self.backend.gemm_f16(self._x, w, out)
-        else:
-            raise ValueError(f"weight kind {w.kind!r} has no linear kernel")
+        t = traits(w.kind)
+        activations = self._quantized() if t.activation == "q8" else (self._x,)
+        getattr(self.backend, t.linear)(*activations, w, out)
 
     def __call__(self, x, w, out):
         self.load(x)

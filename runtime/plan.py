@@ -38,14 +38,14 @@ import numpy as np
 from . import buffers
 from . import validate as v
 
-MAX_INT_ARGS = 13
-MAX_FLOAT_ARGS = 2
-STAMP_WORDS = 2          # per op and thread: kernel returned, released (codegen/executor.py)
+from ..codegen.contract import (BARRIER_OFFSET, FLOAT_ARGS_OFFSET, FN_OFFSET, INT_ARGS_OFFSET, MAX_FLOAT_ARGS,
+                                MAX_INT_ARGS, RECORD_BYTES, STAMP_WORDS)
+
 RECORD = np.dtype({
     "names": ["fn", "float_args", "barrier", "int_args"],
     "formats": [np.uint64, (np.float32, MAX_FLOAT_ARGS), np.uint32, (np.uint64, MAX_INT_ARGS)],
-    "offsets": [0, 8, 16, 24],
-    "itemsize": 128,
+    "offsets": [FN_OFFSET, FLOAT_ARGS_OFFSET, BARRIER_OFFSET, INT_ARGS_OFFSET],
+    "itemsize": RECORD_BYTES,
 })
 
 _FLOAT_CTYPES = (ctypes.c_float,)

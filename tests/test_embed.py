@@ -119,7 +119,7 @@ def test_embed_rejects_bad_arguments(native):
     w = packed_weight(rng, "Q8_0", n, k)
     ids, out = id_buffer([0, 8, 3]), nan_buffer((m, k))
     f32 = layouts.pack("F32", rng.standard_normal((n, k)).astype(np.float32), n, k)
-    with pytest.raises(ValueError, match="w: embed has kernels for kinds q8_0, q4_1, got kind 'f32'"):
+    with pytest.raises(ValueError, match="w: embed has kernels for kinds q4_1, q8_0, got kind 'f32'"):
         native.embed(f32, ids, out)
     with pytest.raises(ValueError, match="w: expected a PackedWeight"):
         native.embed(w.arrays["qs"], ids, out)

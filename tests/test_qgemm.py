@@ -217,7 +217,7 @@ def test_qgemm_rejects_bad_arguments(native, isa):
         qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])
     with pytest.raises(ValueError, match="w: expected a PackedWeight"):
         qgemm(qs, d, s, np.zeros((n, k), np.float32), out)
-    with pytest.raises(ValueError, match="w: qgemm needs a q4_1 or q8_0 weight"):
+    with pytest.raises(ValueError, match="w: qgemm needs a weight of kind q4_1, q8_0"):
         qgemm(qs, d, s, PackedWeight("f32", n, k), out)
     with pytest.raises(ValueError, match="w: has k = 64 but the activations have k = 32"):
         qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)

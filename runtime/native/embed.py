@@ -13,21 +13,15 @@ must keep them in [0, n) itself, since the kernel trusts them.
 """
 import numpy as np
 
+from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, embed_symbol
+from ..kinds import embed_kinds
 from ..layouts import PackedWeight
 from ._lib import checked_address, index_range, kernel
 
 __all__ = ["embed"]
 
-BLOCK = 32
-GROUP = 8
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
-# per kind: (quant array name, dtype, shape after [groups, blocks]), (scale array name, shape after)
-WEIGHT_ARRAYS = {
-    "q8_0": (("qs", np.int8, (8, GROUP, 4)), ("d", (GROUP,))),
-    "q4_1": (("qs", np.uint8, (4, GROUP, 4)), ("dm", (2, GROUP))),
-}
-EMBED_KINDS = tuple(WEIGHT_ARRAYS)
 
 
 def embed(w, ids, out):
@@ -47,7 +41,7 @@ def embed_call(w, ids, out, rows=None):
     if np.may_share_memory(ids, out):
         raise ValueError("out: overlaps ids, which the kernel reads while writing out")
     r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
-    return f"llb_embed_{w.kind}__avx2", [qs_at, scales_at, ids_at + 4 * r0, out_at + 4 * w.k * r0,
+    return embed_symbol(w.kind), [qs_at, scales_at, ids_at + 4 * r0, out_at + 4 * w.k * r0,
                                         r1 - r0, w.k // BLOCK]
 
 
@@ -55,15 +49,13 @@ def _weight_addresses(w):
     """Check w's kind and arrays; returns the addresses of its quants and f16 scales."""
     if not isinstance(w, PackedWeight):
         raise ValueError(f"w: expected a PackedWeight, got {type(w).__name__}")
-    if w.kind not in WEIGHT_ARRAYS:
-        raise ValueError(f"w: embed has kernels for kinds {', '.join(EMBED_KINDS)}, got kind {w.kind!r} "
+    if w.kind not in embed_kinds():
+        raise ValueError(f"w: embed has kernels for kinds {', '.join(embed_kinds())}, got kind {w.kind!r} "
                          "(use runtime.layouts.rows)")
     if w.k < 1 or w.k % BLOCK or w.n < 1:
         raise ValueError(f"w: expected n >= 1 and k a positive multiple of {BLOCK}, got n={w.n}, k={w.k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernel needs {GROUP}")
-    (quant_name, quant_dtype, quant_tail), (scale_name, scale_tail) = WEIGHT_ARRAYS[w.kind]
     lead = (-(-w.n // GROUP), w.k // BLOCK)
-    qs_at = checked_address(f"w.{quant_name}", w.arrays.get(quant_name), quant_dtype, lead + quant_tail)
-    scales_at = checked_address(f"w.{scale_name}", w.arrays.get(scale_name), np.float16, lead + scale_tail)
-    return qs_at, scales_at
+    return [checked_address(f"w.{name}", w.arrays.get(name), dtype, lead + tail)
+            for name, dtype, tail in QUANT_ARRAYS[w.kind]]

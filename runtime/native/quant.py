@@ -17,13 +17,13 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
+from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, qgemm_symbol
+from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
 
 __all__ = ["quantize_q8", "qgemm"]
 
-BLOCK = 32
-GROUP = 8
 # per ISA, widest last: the register tile in the kernel's name, and a CPU flag beyond
 # cpu.REQUIRED (as Linux or py-cpuinfo spell it)
 QGEMM_TILES = {"avx2": "6x8", "avx512": "16x16"}
@@ -34,8 +34,6 @@ ISA_CAP = "LLAMBDA_ISA"
 # vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
 AVX512_MIN_ROWS = 4
 ELEMENT_ALIGN = 4
-# per kind: (name and dtype of the quant array, name of the f16 scale array, scale rows per block)
-WEIGHT_ARRAYS = {"q4_1": (("qs", np.uint8), "dm", 2), "q8_0": (("qs", np.int8), "d", 1)}
 
 
 def _block_count(name, k):
@@ -63,19 +61,15 @@ def quantize_q8_call(x, qs, d, s):
 def _check_weight(w, k):
     if not isinstance(w, PackedWeight):
         raise ValueError(f"w: expected a PackedWeight, got {type(w).__name__}")
-    if w.kind not in WEIGHT_ARRAYS:
-        raise ValueError(f"w: qgemm needs a q4_1 or q8_0 weight, got kind {w.kind!r}")
+    if w.kind not in quantized_kinds():
+        raise ValueError(f"w: qgemm needs a weight of kind {', '.join(quantized_kinds())}, got kind {w.kind!r}")
     if w.k != k:
         raise ValueError(f"w: has k = {w.k} but the activations have k = {k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernels need {GROUP}")
-    (quant_name, quant_dtype), scale_name, fields = WEIGHT_ARRAYS[w.kind]
-    groups, kb = -(-w.n // GROUP), k // BLOCK
-    quant_tail = (BLOCK // 2 // 4, GROUP, 4) if w.kind == "q4_1" else (BLOCK // 4, GROUP, 4)
-    scale_tail = (fields, GROUP) if fields > 1 else (GROUP,)
-    quants = v.array(f"w.{quant_name}", w.arrays.get(quant_name), quant_dtype, (groups, kb) + quant_tail)
-    scales = v.array(f"w.{scale_name}", w.arrays.get(scale_name), np.float16, (groups, kb) + scale_tail)
-    return quants, scales
+    lead = (-(-w.n // GROUP), k // BLOCK)
+    return [v.array(f"w.{name}", w.arrays.get(name), dtype, lead + tail)
+            for name, dtype, tail in QUANT_ARRAYS[w.kind]]
 
 
 def qgemm(qs, d, s, w, out, rows=None, *, isa=None):
@@ -96,7 +90,7 @@ def qgemm_isas():
     return tuple(isa for isa, tile in QGEMM_TILES.items()
                  if not cpu.missing_flags(isa)
                  and (isa not in QGEMM_EXTRA_FLAG or flags & set(QGEMM_EXTRA_FLAG[isa]))
-                 and all(f"llb_qgemm_{kind}_q8_{tile}__{isa}" in manifest for kind in WEIGHT_ARRAYS))
+                 and all(qgemm_symbol(kind, tile, isa) in manifest for kind in quantized_kinds()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,11 +121,11 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     kb = _block_count("qs", k)
     v.array("d", d, np.float32, (m, kb), align=ELEMENT_ALIGN)
     v.array("s", s, np.float32, (m, kb), align=ELEMENT_ALIGN)
-    quants, scales = _check_weight(w, k)
+    weight_arrays = _check_weight(w, k)
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
     isa = _qgemm_isa(isa, m)
-    return f"llb_qgemm_{w.kind}_q8_{QGEMM_TILES[isa]}__{isa}", [
-        quants[group0].ctypes.data, scales[group0].ctypes.data, qs.ctypes.data, d.ctypes.data,
+    return qgemm_symbol(w.kind, QGEMM_TILES[isa], isa), [
+        *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

@@ -10,7 +10,7 @@ from .. import layouts
 
 __all__ = ["quantize_q8", "qgemm"]
 
-BLOCK = 32
+from ...codegen.contract import BLOCK
 
 
 def _round_half_even(v):

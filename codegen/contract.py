@@ -5,6 +5,8 @@ importing the generators. A change here changes the library's source key
 (codegen/build.py hashes every module of this folder), so kernels and
 bindings never disagree about a size.
 """
+from dataclasses import dataclass
+
 import numpy as np
 
 # -- quantized weights (runtime/layout_quant.py packs them, codegen/qgemm.py reads them)
@@ -26,19 +28,39 @@ MAX_INT_ARGS = 13
 MAX_FLOAT_ARGS = 2
 STAMP_WORDS = 2      # per op and thread: kernel returned, released
 
-# -- the arrays of each packed quantized kind, after the leading [row groups, blocks] axes:
-#    (array name, dtype, trailing shape). Both the packer and the kernels' strides follow it.
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a packed quantized weight: shape [row groups, k / (BLOCK * blocks_per), *tail].
+
+    ``blocks_per`` > 1 holds values shared by that many consecutive blocks (e.g. a
+    K-quant super-block's scale: blocks_per = SUPER_BLOCK // BLOCK)."""
+    name: str
+    dtype: type
+    tail: tuple
+    blocks_per: int = 1
+
+    def shape(self, groups, blocks):
+        return (groups, blocks // self.blocks_per) + self.tail
+
+    @property
+    def bytes_per_entry(self):
+        """Bytes per row group per entry along the block axis (the kernel's stride)."""
+        return int(np.dtype(self.dtype).itemsize * np.prod(self.tail))
+
+
+# -- the arrays of each packed quantized kind, in the order the kernels take them.
+#    Both the packer (runtime/layout_*.py) and the kernels' strides follow it.
 QUANT_ARRAYS = {
-    "q4_1": (("qs", np.uint8, (BLOCK // 2 // CHUNK, GROUP, CHUNK)),      # nibbles, 4 chunks
-             ("dm", np.float16, (2, GROUP))),                            # d then m of each row
-    "q8_0": (("qs", np.int8, (BLOCK // CHUNK, GROUP, CHUNK)),            # int8, 8 chunks
-             ("d", np.float16, (GROUP,))),
+    "q4_1": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK, GROUP, CHUNK)),    # nibbles, 4 chunks
+             ArraySpec("dm", np.float16, (2, GROUP))),                          # d then m of each row
+    "q8_0": (ArraySpec("qs", np.int8, (BLOCK // CHUNK, GROUP, CHUNK)),          # int8, 8 chunks
+             ArraySpec("d", np.float16, (GROUP,))),
 }
 
 
-def quant_array_bytes(kind):
-    """Bytes of each array of ``kind`` per block of one row group, in QUANT_ARRAYS order."""
-    return tuple(int(np.dtype(dtype).itemsize * np.prod(tail)) for _, dtype, tail in QUANT_ARRAYS[kind])
+def block_multiple(kind):
+    """k must be a multiple of this for ``kind`` (BLOCK, or SUPER_BLOCK for K-quants)."""
+    return BLOCK * max(spec.blocks_per for spec in QUANT_ARRAYS[kind])
 
 
 def symbol(op, types, tile, isa):

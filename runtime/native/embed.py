@@ -56,6 +56,6 @@ def _weight_addresses(w):
         raise ValueError(f"w: expected n >= 1 and k a positive multiple of {BLOCK}, got n={w.n}, k={w.k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernel needs {GROUP}")
-    lead = (-(-w.n // GROUP), w.k // BLOCK)
-    return [checked_address(f"w.{name}", w.arrays.get(name), dtype, lead + tail)
-            for name, dtype, tail in QUANT_ARRAYS[w.kind]]
+    groups, blocks = -(-w.n // GROUP), w.k // BLOCK
+    return [checked_address(f"w.{spec.name}", w.arrays.get(spec.name), spec.dtype, spec.shape(groups, blocks))
+            for spec in QUANT_ARRAYS[w.kind]]

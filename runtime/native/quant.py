@@ -67,9 +67,9 @@ def _check_weight(w, k):
         raise ValueError(f"w: has k = {w.k} but the activations have k = {k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernels need {GROUP}")
-    lead = (-(-w.n // GROUP), k // BLOCK)
-    return [v.array(f"w.{name}", w.arrays.get(name), dtype, lead + tail)
-            for name, dtype, tail in QUANT_ARRAYS[w.kind]]
+    groups, blocks = -(-w.n // GROUP), k // BLOCK
+    return [v.array(f"w.{spec.name}", w.arrays.get(spec.name), spec.dtype, spec.shape(groups, blocks))
+            for spec in QUANT_ARRAYS[w.kind]]
 
 
 def qgemm(qs, d, s, w, out, rows=None, *, isa=None):

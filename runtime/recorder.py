@@ -44,6 +44,7 @@ class OpInfo:
     name: str
     flops: float = 0.0
     bytes: float = 0.0
+    window: int = 0        # attention: its sliding window (0: unlimited), for costing it at another pos0
 
 
 def _interval(a):
@@ -163,9 +164,9 @@ class PlanRecorder:
         keys_per_query = np.arange(pos0 + 1, pos0 + m + 1)
         if window:
             keys_per_query = np.minimum(keys_per_query, window)
-        keys = min(pos0 + m, window or pos0 + m)           # K and V rows read, at most
+        keys = min(pos0 + m, window + m - 1) if window else pos0 + m     # K and V rows read
         info = OpInfo("attention", 4.0 * (h1 - h0) * hd * float(keys_per_query.sum()),
-                      8.0 * k_cache.shape[0] * keys * hd)
+                      8.0 * k_cache.shape[0] * keys * hd, window=window)
         handle = self._add(calls, [q, k_cache, v_cache], [out], info)
         symbol = next(c[0] for c in calls if c is not None)
         int_names = [name for name, kind in self._manifest[symbol]["args"] if kind != "float"]

@@ -1,9 +1,9 @@
 """Grouped-query causal attention against the float64 numpy reference (written from the math),
 unlimited and within a sliding window.
 
-Shapes: m in {1, 2, 7, ~20} queries; head_dim in {1, 7, 8, 9, 64, 65} (masked tails,
-whole chunks, both); (n_head, n_kv_head) in {(1,1), (4,2), (9,3), (6,1)} (groups of
-1, 2, 3 and 6 heads: every head tile, and a group split across tiles); pos0 in
+Shapes: m in {1, 2, 7, ~20} queries; head_dim in {1, 7, 8, 9, 64, 65, 80, 256} (masked tails,
+whole chunks, both, Gemma 3's 256); (n_head, n_kv_head) in {(1,1), (4,2), (9,3), (6,1), (4,1)} (groups
+of 1, 2, 3, 4 and 6 heads: every head tile, and a group split across tiles); pos0 in
 {0, 1, 31, ~200}. Cache rows past pos0 + m are NaN (must never be read); out
 starts as NaN (every computed element written, heads outside the range untouched).
 Windowed: head_dim {9, 64, 80, 128, 256}, GQA up to 6:1 (4:1 with one KV head, Gemma 3
@@ -17,8 +17,8 @@ from hypothesis import given, settings, strategies as st
 from helpers import nan_buffer, float_arrays
 from llambda.runtime import buffers
 
-HEAD_CONFIGS = [(1, 1), (4, 2), (9, 3), (6, 1)]
-HEAD_DIMS = [1, 7, 8, 9, 64, 65]
+HEAD_CONFIGS = [(1, 1), (4, 2), (9, 3), (6, 1), (4, 1)]
+HEAD_DIMS = [1, 7, 8, 9, 64, 65, 80, 256]
 U = 2.0 ** -24          # float32 unit roundoff
 
 

@@ -93,6 +93,7 @@ def test_windowed_attention_follows_set_pos0(native, pool, window, m):
     out = nan_buffer(q.shape)
     recorder = record(2, lambda rec: rec.attention(q, k_cache, v_cache, 0, scale, out, None, window=window))
     assert threads_used(recorder.plan, 0) == 2
+    assert recorder.ops[0].window == window               # the profiler costs the op by it
     scratch = native.attention_scratch(N_CTX)
     for pos0 in (0, 3, 15, 16, 17, N_CTX - m):
         recorder.set_pos0(pos0)

@@ -46,8 +46,9 @@ class ChatTemplate:
 # ---------------------------------------------------------------------------
 # The built-in formats, as llama.cpp renders them
 # ---------------------------------------------------------------------------
-# Each template is Jinja whose every tag strips the whitespace around it, so the line
-# breaks here never reach the prompt. `'\n'` inside a Jinja string is a newline.
+# Each template is one line of Jinja pieced together from Python strings; `'\n'` inside a
+# Jinja string literal is a newline. Jinja's `trim` stands for llama.cpp's trim(), which
+# strips ASCII white space only (Jinja's also strips other Unicode spaces).
 
 def _each(body, generation=""):
     """A template that writes ``body`` per message (m: the message, c: its content) and
@@ -184,7 +185,8 @@ _FORMATS = [
                                      generation="'Assistant:'")),
     ChatFormat("deepseek3", _by_role([("system", r"c + '\n\n'"), ("user", "'<｜User｜>' + c"),
                                       ("assistant", "'<｜Assistant｜>' + c + '<｜end▁of▁sentence｜>'")],
-                                     generation="'<｜Assistant｜>'")),
+                                     generation="'<｜Assistant｜>'"),
+               markers=("<｜User｜>", "<｜Assistant｜>")),
     ChatFormat("command-r", _by_role(
         [("system", "'<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + c | trim + '<|END_OF_TURN_TOKEN|>'"),
          ("user", "'<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + c | trim + '<|END_OF_TURN_TOKEN|>'"),
@@ -346,15 +348,14 @@ ARCHITECTURE_FORMATS = {
     "qwen2moe": ("chatml",),
     "qwen3": ("chatml",),
     "qwen3moe": ("chatml",),
-    "phi3": ("phi3",),
-    "phi4": ("phi4",),
+    "phi3": ("phi4", "phi3"),          # Phi-4 files say phi3 too; their vocabulary has <|im_sep|>
     "command-r": ("command-r",),
     "cohere2": ("command-r",),
     "granite": ("granite",),
     "granitemoe": ("granite",),
     "exaone": ("exaone3",),
     "chatglm": ("chatglm4",),
-    "deepseek2": ("deepseek3",),
+    "deepseek2": ("deepseek3", "deepseek2"),
     "gpt-oss": ("gpt-oss",),
 }
 FALLBACK_FORMAT = "chatml"     # llama.cpp's choice for every file without a template
@@ -400,8 +401,10 @@ def template_from_option(value, option="chat_template"):
         if not text.strip():
             raise UserError(f"{option} {value}: the file is empty")
         return ChatTemplate(name=value, text=text, builtin=False)
-    raise UserError(f"{option} {value!r}: neither a built-in format nor a file. "
-                    f"Built-in formats: {', '.join(sorted(BUILTIN))}")
+    known_to_llama_cpp = {name for name, _ in _RECOGNITION}
+    what = ("a llama.cpp format llambda does not have, nor a file" if value in known_to_llama_cpp
+            else "neither a built-in format nor a file")
+    raise UserError(f"{option} {value!r}: {what}. Built-in formats: {', '.join(sorted(BUILTIN))}")
 
 
 def template_for_model(tokenizer_metadata, arch):

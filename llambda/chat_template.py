@@ -3,9 +3,15 @@
 GGUF files carry the Jinja template from the model's tokenizer_config.json
 (`tokenizer.chat_template`). Templates are written against Hugging Face's
 renderer, so the environment here offers what theirs does: trim_blocks and
-lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, and a `tojson`
-filter that keeps non-ASCII text as it is. The sandbox keeps a template, which
-comes from a downloaded file, from reaching Python internals or mutating data.
+lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson`
+filter that keeps non-ASCII text as it is, and the `{% generation %}` block that
+marks assistant text for training masks (rendered as its plain body here). The
+sandbox keeps a template, which comes from a downloaded file, from reaching
+Python internals or mutating data; read-only methods (str.strip, dict.items, ...)
+stay available, as in HF's.
+
+Every failure is a one-line UserError that names the template (``name``): the
+model's own, a built-in format, or a file given with --chat-template.
 """
 import datetime
 import functools
@@ -13,6 +19,8 @@ import json
 from collections.abc import Mapping
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llambda.errors import UserError
@@ -30,17 +38,31 @@ def _strftime_now(format_string):
     return datetime.datetime.now().strftime(format_string)
 
 
-def _tojson(value, indent=None, separators=None, sort_keys=False):
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # Jinja's built-in tojson escapes HTML characters and non-ASCII text, which
     # would change the prompt; templates expect json.dumps' plain output.
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: HF marks the assistant's tokens with
+    it (return_assistant_tokens_mask); for a prompt only its body matters."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
 
 
 @functools.lru_cache(maxsize=1)
 def _environment():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -48,16 +70,17 @@ def _environment():
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(template):
+def _compiled(template, name):
     try:
         return _environment().from_string(template)
     except jinja2.TemplateError as error:
-        raise UserError(f"the chat template does not parse: {_describe(error)}") from None
+        raise UserError(f"chat template {name}: does not parse: {_describe(error)}") from None
 
 
 def _describe(error):
+    message = " ".join(str(error.message or type(error).__name__).split())
     where = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
-    return f"{error.message or type(error).__name__}{where}"
+    return f"{message}{where}"
 
 
 def _check_messages(messages):
@@ -69,25 +92,32 @@ def _check_messages(messages):
 
 
 def render_chat(template, messages, add_generation_prompt=True, bos_token="", eos_token="",
-                **extra):
+                name="(given)", **extra):
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
 
     add_generation_prompt: end with the header that starts the assistant's turn.
     bos_token / eos_token: the model's token texts, which many templates write out.
+    name: what the template is, for error messages (a file, a built-in's name, ...).
     extra: more variables for the template (tools=..., documents=..., ...).
     """
     if not isinstance(template, str) or not template:
-        raise UserError("the chat template is empty")
+        raise UserError(f"chat template {name}: empty")
     messages = list(messages)
     _check_messages(messages)
-    compiled = _compiled(template)
+    compiled = _compiled(template, name)
     try:
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=bos_token, eos_token=eos_token, **extra)
     except _TemplateRaised as error:
-        raise UserError(f"the chat template refused the conversation: {error}") from None
+        raise UserError(f"chat template {name}: refused the conversation: "
+                        f"{' '.join(str(error).split())}") from None
+    except jinja2.UndefinedError as error:
+        # e.g. firefunction's `functions` and `datetime`, which its own callers pass
+        raise UserError(f"chat template {name}: {_describe(error)}: the template needs a "
+                        "variable llambda does not set") from None
     except jinja2.TemplateError as error:
-        raise UserError(f"the chat template failed: {_describe(error)}") from None
+        raise UserError(f"chat template {name}: failed: {_describe(error)}") from None
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as error:
         # Python errors inside the template's expressions, e.g. str + None content.
-        raise UserError(f"the chat template failed: {type(error).__name__}: {error}") from None
+        raise UserError(f"chat template {name}: failed: {type(error).__name__}: "
+                        f"{' '.join(str(error).split())}") from None

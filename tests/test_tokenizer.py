@@ -139,6 +139,9 @@ def test_decode_inverts_encode_around_special_tokens(tok, parts):
 
 @given(st.text(max_size=60))
 def test_sentencepiece_decode_inverts_encode(spm_tok, text):
+    # SentencePiece writes spaces as U+2581, so a literal U+2581 in the text decodes as a
+    # space (llama.cpp does the same): not a round trip by design
+    assume("\u2581" not in text)
     ids = spm_tok.encode(text, add_special=False, parse_special=False)
     assert spm_tok.decode(ids) == text
     assert spm_tok.decode(spm_tok.encode(text, parse_special=False), skip_special=True) == text

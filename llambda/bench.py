@@ -145,9 +145,9 @@ def _model_costs(model_path):
 
 
 def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS):
-    from . import convert, default_model
+    from . import catalog, convert, default_model
     from llambda.runtime import ceilings
-    gguf = default_model.gguf_path() if model is None else model
+    gguf = default_model.gguf_path() if model is None else catalog.resolve(model)
     model_path = convert.ensure_converted(gguf)
     if open(gguf, "rb").read(4) != b"GGUF":
         raise SystemExit("llambda bench: --model must be a GGUF (llama.cpp runs the same file)")
@@ -191,8 +191,8 @@ SWEEP_TOKENS = 32
 
 def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     """Decode speed as the context grows (attention reads the whole KV cache per token)."""
-    from . import convert, default_model
-    gguf = default_model.gguf_path() if model is None else model
+    from . import catalog, convert, default_model
+    gguf = default_model.gguf_path() if model is None else catalog.resolve(model)
     model_path = convert.ensure_converted(gguf)
     engines = ENGINES if _have_llamacpp() else ENGINES[:1]
     rows = []

@@ -220,7 +220,7 @@ def build_parser():
     verify.set_defaults(func=cmd_verify)
 
     bench = sub.add_parser("bench", help="llambda beside llama.cpp (llama-cpp-python) on the same GGUF")
-    bench.add_argument("--model", metavar="PATH", help="a GGUF (default: the default model)")
+    bench.add_argument("--model", metavar="PATH|NAME", help="a GGUF or a catalogue name (default: the default model)")
     bench.add_argument("--threads", default="1,2", metavar="N,...", help="thread counts (default 1,2)")
     bench.add_argument("--repeats", type=_positive_int("--repeats"), default=3, metavar="N")
     bench.add_argument("--ctx", type=_positive_int("--ctx"), default=1024, metavar="N")

@@ -68,7 +68,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL,
                             RETURN, LocalVariable, ADD, SUB, MOV, SHL, SHR, IMUL, LEA, XOR, CMP, TEST, JB, JBE,
                             JA, JNE, JAE, JG, JMP, JNZ, JZ, VMOVDQA, VMOVDQU, VPSRLW, VPAND, VPANDD, VPBROADCASTD,
-                            VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
+                            VPMADDUBSW, VPADDW, VPOR, VPORD, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
                             VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS, VMULPS, VADDPS, VFMADD231PS, VXORPS, VMOVUPS,
                             VMOVAPS, VMASKMOVPS, VINSERTI64X4, VINSERTI128, VSHUFF64X2, VBROADCASTI64X4, VEXTRACTF64X4,
                             PREFETCHT0)
@@ -90,11 +90,16 @@ class QuantKind:
     quant_bytes: int      # per block of one group (8 rows)
     scale_bytes: int      # f16 scales (and mins) per block of one group
     has_min: bool
+    min_per_scale: float = 0.0   # m = this * d, formed in the kernel (0: m is stored after d)
 
 
 Q4_1 = QuantKind("q4_1", quant_bytes=GROUP * BLOCK // 2, scale_bytes=2 * GROUP * 2, has_min=True)
 Q8_0 = QuantKind("q8_0", quant_bytes=GROUP * BLOCK, scale_bytes=GROUP * 2, has_min=False)
-KINDS = (Q4_1, Q8_0)
+# five-bit quants (runtime/layout_q5.py): 20 bytes a block per row; Q5_0's m = -16 d is not stored
+Q5_0 = QuantKind("q5_0", quant_bytes=GROUP * 20, scale_bytes=GROUP * 2, has_min=True, min_per_scale=-16.0)
+Q5_1 = QuantKind("q5_1", quant_bytes=GROUP * 20, scale_bytes=2 * GROUP * 2, has_min=True)
+FIVE_BIT = (Q5_0, Q5_1)
+KINDS = (Q4_1, Q8_0) + FIVE_BIT
 
 SIGNATURE = [("wq", "const uint8_t*"), ("wscale", "const uint16_t*"), ("aq", "const int8_t*"),
              ("ad", "const float*"), ("asum", "const float*"), ("out", "float*"),
@@ -401,7 +406,7 @@ class TileConstants:
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
-    consts = TileConstants(kind, rows)
+    consts = (Q5TileConstants if kind in FIVE_BIT else TileConstants)(kind, rows)
     facc = [[YMMRegister() for _ in range(consts.accumulators_per_row)] for _ in range(rows)]
     for pair in facc:
         for f in pair:
@@ -414,7 +419,9 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
             for line in range(0, kind.quant_bytes, 64):
                 PREFETCHT0([r.wq + PREFETCH_BYTES + line])
         acc = [YMMRegister() for _ in range(rows)]
-        if kind is Q4_1:
+        if kind in FIVE_BIT:
+            emit_block_q5(r, kind, consts, acc, facc)
+        elif kind is Q4_1:
             emit_block_q4_1(r, consts, acc, facc)
         else:
             emit_block_q8_0(r, consts, acc, facc)
@@ -565,18 +572,23 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     totals = TOTALS[:rows]
     for total in totals:
         zero(total)
-    constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
+    if kind in FIVE_BIT:
+        masks = Q5Masks(r)
+    else:
+        constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
     MOV(r.blocks_left, r.scale_stride)
     SHR(r.blocks_left, 2)
     with Loop() as blocks:
-        if kind is Q4_1:
+        if kind in FIVE_BIT:
+            weights, d_w, m_w = load_block_q5(r, kind, masks)
+        elif kind is Q4_1:
             weights, d_w, m_w = load_block_q4_1(r, constant)
         else:
             weights, d_w, correction = load_block_q8_0(r, constant)
         # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
         XOR(r.spare, r.spare)
         for i, total in enumerate(totals):
-            if kind is Q4_1:
+            if kind is Q4_1 or kind in FIVE_BIT:
                 emit_row_q4_1(r, weights, d_w, m_w, total)
             else:
                 emit_row_q8_0(r, weights, d_w, correction, constant, total)
@@ -623,6 +635,166 @@ def store_tile_avx512(r, totals, ldo_bytes, name):
         VMASKMOVPS([r.spare], mask, half)
         ADD(r.spare, ldo_bytes)
     LABEL(done)
+
+
+# --------------------------------------------------------------------------- five-bit kinds (q5_0, q5_1)
+#
+# A block of one group is 5 chunks of 32 bytes (runtime/layout_q5.py): chunk c < 4 holds
+# q[4c + i] in bits 0-4 and q[16 + 4c + i] >> 2 in bits 5-7 of each row's byte i, chunk 4
+# the low two bits of q[16 + 4c + i] at bit 2c. Unpacked, chunk c gives the same two
+# vectors as a q4_1 chunk (weights 4c..4c+3 and 16+4c..16+4c+3 of 8 rows, now 0..31):
+#     low  = B_c & 31
+#     high = ((B_c >> 3) & 28) | ((B_4 >> 2c) & 3)
+# (16-bit shifts: the masks drop what the next byte shifts in). Q5_0's d (q - 16) is
+# d q + m with m = -16 d, formed in f32 in the kernel (exact, a power of two), so both
+# kinds share the q4_1 arithmetic per block: out += (d_w d_a) sum(q_w q_a) + m_w s_a.
+#
+# AVX2: a vpmaddubsw pair sum is up to 2 * 31 * 127 = 7874, so at most four of them add
+# up in int16: the products of chunks 0 and 1 sum in the row's block register, which a
+# vpmaddwd then widens in place; chunks 2 and 3 each widen their two products and add
+# them in int32 (with registers to spare, chunks 2-3 keep a second int16 sum instead).
+
+LOW5, HIGH3, LOW2 = 0x1F1F1F1F, 0x1C1C1C1C, 0x03030303
+Q5_LOW_BITS = BLOCK // 2 // CHUNK           # the chunk holding the second half's low bits
+
+
+class Q5TileConstants:
+    """TileConstants for five-bit kinds: the masks, vpmaddwd's ones, the low-bits chunk of
+    the block and (q5_0) -16.0 in registers while the tile leaves some free, else memory
+    operands (the low-bits chunk is then reloaded per chunk); then, with registers to
+    spare, a second int16 block sum per row and a second f32 accumulator for the min term."""
+
+    def __init__(self, kind, rows):
+        spare = YMM_COUNT - 4 - 2 * rows       # low/high weights, broadcast, product; sums
+        wanted = {"ones": Constant.uint16x16(1), "low5": Constant.uint32x8(LOW5),
+                  "high3": Constant.uint32x8(HIGH3), "low2": Constant.uint32x8(LOW2)}
+        if kind.min_per_scale:
+            wanted["min_per_scale"] = Constant.float32x8(kind.min_per_scale)
+        for name, constant in wanted.items():
+            if spare > 0:
+                register = YMMRegister()
+                VMOVDQA(register, constant) if name != "min_per_scale" else VMOVAPS(register, constant)
+                constant, spare = register, spare - 1
+            setattr(self, name, constant)
+        self.low_bits = None
+        if spare > 0:
+            self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
+        self.split_sums = spare >= rows
+        spare -= rows if self.split_sums else 0
+        self.accumulators_per_row = 2 if spare >= rows else 1
+
+
+def emit_unpack_q5_avx2(r, consts, c, low, high, tmp):
+    """low, high = the two weight vectors of chunk c (tmp is clobbered)."""
+    VMOVDQA(low, [r.wq + 32 * c])
+    VPSRLW(high, low, 3)
+    VPAND(high, high, consts.high3)
+    if consts.low_bits is not None:
+        source = consts.low_bits
+    else:
+        VMOVDQA(tmp, [r.wq + 32 * Q5_LOW_BITS])
+        source = tmp
+    if c:
+        VPSRLW(tmp, source, 2 * c)
+        source = tmp
+    VPAND(tmp, source, consts.low2)
+    VPOR(high, high, tmp)
+    VPAND(low, low, consts.low5)
+
+
+def emit_block_q5(r, kind, consts, acc, facc):
+    """One 32-weight block of one group for ``len(acc)`` activation rows."""
+    lo, hi, bcast, prod = (YMMRegister() for _ in range(4))
+    second = [YMMRegister() for _ in acc] if consts.split_sums else None
+    row = RowAddresses(r.act, r.row_stride, r.spare, len(acc))
+    row.prepare()
+    if consts.low_bits is not None:
+        VMOVDQA(consts.low_bits, [r.wq + 32 * Q5_LOW_BITS])
+    for c in range(Q5_LOW_BITS):
+        emit_unpack_q5_avx2(r, consts, c, lo, hi, prod)
+        for i in range(len(acc)):
+            # low are weights 4c..4c+3 of the block, high 16+4c..16+4c+3
+            VPBROADCASTD(bcast, row(i, CHUNK * c))
+            VPMADDUBSW(prod, lo, bcast)
+            VPBROADCASTD(bcast, row(i, BLOCK // 2 + CHUNK * c))
+            VPMADDUBSW(bcast, hi, bcast)
+            if c == 0:
+                VPADDW(acc[i], prod, bcast)
+            elif c == 1:
+                VPADDW(acc[i], acc[i], prod)
+                VPADDW(acc[i], acc[i], bcast)
+                VPMADDWD(acc[i], acc[i], consts.ones)
+            elif second is not None:
+                if c == 2:
+                    VPADDW(second[i], prod, bcast)
+                else:
+                    VPADDW(second[i], second[i], prod)
+                    VPADDW(second[i], second[i], bcast)
+            else:
+                VPADDW(prod, prod, bcast)
+                VPMADDWD(prod, prod, consts.ones)
+                VPADDD(acc[i], acc[i], prod)
+    if second is not None:
+        for a, s in zip(acc, second):
+            VPMADDWD(s, s, consts.ones)
+            VPADDD(a, a, s)
+    d_w, m_w = lo, hi
+    VCVTPH2PS(d_w, [r.wscale])
+    if kind.min_per_scale:
+        VMULPS(m_w, d_w, consts.min_per_scale)
+    else:
+        VCVTPH2PS(m_w, [r.wscale + GROUP * 2])
+    emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod)
+
+
+class Q5Masks:
+    """The AVX-512 tile's byte masks (and q5_0's -16.0), broadcast once per tile."""
+
+    def __init__(self, r):
+        self.low5 = broadcast_constant(r, LOW5)
+        self.high3 = broadcast_constant(r, HIGH3)
+        self.low2 = broadcast_constant(r, LOW2)
+        self.min_per_scale = None
+
+
+def load_block_q5(r, kind, masks):
+    """The block's unpacked weights of both groups: (low, high) per chunk, and d_w, m_w."""
+    low_bits = ZMMRegister()
+    load_pair(r, low_bits, 32 * Q5_LOW_BITS)
+    weights = []
+    for c in range(Q5_LOW_BITS):
+        low, high, tmp = ZMMRegister(), ZMMRegister(), ZMMRegister()
+        load_pair(r, low, 32 * c)
+        VPSRLW(high, low, 3)
+        VPANDD(high, high, masks.high3)
+        if c:
+            VPSRLW(tmp, low_bits, 2 * c)
+            VPANDD(tmp, tmp, masks.low2)
+        else:
+            VPANDD(tmp, low_bits, masks.low2)
+        VPORD(high, high, tmp)
+        VPANDD(low, low, masks.low5)
+        weights.append((low, high))
+    d_w, m_w = ZMMRegister(), ZMMRegister()
+    if kind.min_per_scale:
+        halves = YMMRegister()
+        VMOVDQU(halves.as_xmm, [r.wscale])
+        VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1], 1)
+        VCVTPH2PS(d_w, halves)
+        factor = broadcast_constant(r, _f32_bits(kind.min_per_scale))
+        VMULPS(m_w, d_w, factor)
+    else:
+        first, second = ZMMRegister(), ZMMRegister()
+        VCVTPH2PS(first, [r.wscale])
+        VCVTPH2PS(second, [r.wscale + r.pair_scales * 1])
+        VSHUFF64X2(d_w, first, second, 0b01_00_01_00)
+        VSHUFF64X2(m_w, first, second, 0b11_10_11_10)
+    return weights, d_w, m_w
+
+
+def _f32_bits(value):
+    import struct
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def emit(isa):

@@ -662,7 +662,9 @@ class Q5TileConstants:
     """TileConstants for five-bit kinds: the masks, vpmaddwd's ones, the low-bits chunk of
     the block and (q5_0) -16.0 in registers while the tile leaves some free, else memory
     operands (the low-bits chunk is then reloaded per chunk); then, with registers to
-    spare, a second int16 block sum per row and a second f32 accumulator for the min term."""
+    spare, a second int16 block sum per row. The min term shares the row's f32
+    accumulator in every tile (a second one measured no faster in the decode GEMV), so
+    every row sums exactly as the AVX-512 tile does: the ISAs agree bit for bit."""
 
     def __init__(self, kind, rows):
         spare = YMM_COUNT - 4 - 2 * rows       # low/high weights, broadcast, product; sums
@@ -681,7 +683,7 @@ class Q5TileConstants:
             self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
         self.split_sums = spare >= rows
         spare -= rows if self.split_sums else 0
-        self.accumulators_per_row = 2 if spare >= rows else 1
+        self.accumulators_per_row = 1
 
 
 def emit_unpack_q5_avx2(r, consts, c, low, high, tmp):

@@ -17,7 +17,8 @@ import numpy as np
 
 from ...codegen.contract import BLOCK
 
-__all__ = ["Q5_BLOCK_BYTES", "q5_quants", "dequantize_q5_0", "dequantize_q5_1"]
+# Not backend ops: runtime/backend.py collects every ref module's __all__ into the numpy backend.
+__all__ = []
 
 Q5_BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24}
 _SCALE_FIELDS = {"Q5_0": 1, "Q5_1": 2}      # f16 fields in front of qh

@@ -3,8 +3,9 @@
     llb_qgemm_<kind>_q8_6x8__avx2(wq, wscale, aq, ad, asum, out, m, n, kb, ldo)
     llb_qgemm_<kind>_q8_16x16__avx512(...)      same arguments, same weight layout
 
-W is a packed ``q4_1`` or ``q8_0`` weight (runtime/layout_quant.py: groups of
-8 rows, quant bytes interleaved 4 at a time, f16 scales); the activations are
+W is a packed ``q4_1``, ``q8_0``, ``q5_0`` or ``q5_1`` weight (runtime/layout_quant.py,
+runtime/layout_q5.py: groups of 8 rows, quant bytes interleaved 4 at a time, f16
+scales; the five-bit kinds are unpacked as described in their section below); the activations are
 Q8 blocks from quantize_q8: ``aq`` int8 [m, 32 kb], ``ad`` and ``asum`` f32
 [m, kb] (scale, and scale * sum of the block's quants). ``wq`` / ``wscale``
 point at the first row group to compute, ``out`` at the output element of that
@@ -68,7 +69,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL,
                             RETURN, LocalVariable, ADD, SUB, MOV, SHL, SHR, IMUL, LEA, XOR, CMP, TEST, JB, JBE,
                             JA, JNE, JAE, JG, JMP, JNZ, JZ, VMOVDQA, VMOVDQU, VPSRLW, VPAND, VPANDD, VPBROADCASTD,
-                            VPMADDUBSW, VPADDW, VPOR, VPORD, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
+                            VPMADDUBSW, VPADDW, VPOR, VPTERNLOGD, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
                             VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS, VMULPS, VADDPS, VFMADD231PS, VXORPS, VMOVUPS,
                             VMOVAPS, VMASKMOVPS, VINSERTI64X4, VINSERTI128, VSHUFF64X2, VBROADCASTI64X4, VEXTRACTF64X4,
                             PREFETCHT0)
@@ -579,6 +580,11 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     MOV(r.blocks_left, r.scale_stride)
     SHR(r.blocks_left, 2)
     with Loop() as blocks:
+        if rows == 1 and kind in FIVE_BIT:
+            # five-bit kinds decode on this tile too (runtime/native/quant.py): stream both groups
+            for line in range(0, kind.quant_bytes, 64):
+                PREFETCHT0([r.wq + PREFETCH_BYTES + line])
+                PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line])
         if kind in FIVE_BIT:
             weights, d_w, m_w = load_block_q5(r, kind, masks)
         elif kind is Q4_1:
@@ -749,6 +755,11 @@ def emit_block_q5(r, kind, consts, acc, facc):
     emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod)
 
 
+# vpternlogd truth table (bit a*4 + b*2 + c for dest a, sources b, c) of (a & c) | b:
+# the shifted chunk keeps its mask's bits, the (clean) low bits fill the rest
+SHIFTED_OR_LOW = 0b11101100
+
+
 class Q5Masks:
     """The AVX-512 tile's byte masks (and q5_0's -16.0), broadcast once per tile."""
 
@@ -767,14 +778,13 @@ def load_block_q5(r, kind, masks):
     for c in range(Q5_LOW_BITS):
         low, high, tmp = ZMMRegister(), ZMMRegister(), ZMMRegister()
         load_pair(r, low, 32 * c)
-        VPSRLW(high, low, 3)
-        VPANDD(high, high, masks.high3)
         if c:
             VPSRLW(tmp, low_bits, 2 * c)
             VPANDD(tmp, tmp, masks.low2)
         else:
             VPANDD(tmp, low_bits, masks.low2)
-        VPORD(high, high, tmp)
+        VPSRLW(high, low, 3)
+        VPTERNLOGD(high, tmp, masks.high3, SHIFTED_OR_LOW)
         VPANDD(low, low, masks.low5)
         weights.append((low, high))
     d_w, m_w = ZMMRegister(), ZMMRegister()

@@ -321,3 +321,26 @@ def test_qgemm_rejects_bad_five_bit_weights(native, isa, type_name, scale_name):
     with pytest.raises(ValueError, match="w: qgemm needs a weight of kind"):
         qgemm(PackedWeight("f32", n, k))
     qgemm(w)                                  # and the process is fine
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("cap, expected", [(None, "avx512"), ("avx2", "avx2")])
+def test_five_bit_decode_runs_on_the_widest_variant(native, monkeypatch, type_name, cap, expected):
+    """Unlike q4_1 / q8_0, five-bit weights decode (m < 4) on AVX-512 when the CPU has it
+    (runtime/native/quant.py AVX512_DECODE_KINDS); LLAMBDA_ISA=avx2 still caps it."""
+    from llambda.runtime.native import quant as n_quant
+    runnable("avx512")
+    n, k = 16, 32
+    w = layouts.pack(type_name, random_q5(type_name, n, k), n, k)
+    n_quant.widest_qgemm_isa.cache_clear()
+    try:
+        if cap:
+            monkeypatch.setenv("LLAMBDA_ISA", cap)
+        else:
+            monkeypatch.delenv("LLAMBDA_ISA", raising=False)
+        for m in (1, 3, 16):
+            qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
+            symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
+            assert symbol.endswith(f"__{expected}")
+    finally:
+        n_quant.widest_qgemm_isa.cache_clear()

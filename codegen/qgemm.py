@@ -48,7 +48,9 @@ tile, and one block's weights (8 zmm) stay in registers while the rows pass
 one at a time. Rows left over (m % 16) run tiles of 8, 4, 2 and 1 rows. A
 lone last row group (an odd group count) pairs with itself and stores only its
 8 columns. Decode (m < 4) stays on AVX2: the two groups are two weight streams
-each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py).
+each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py) --
+except for the five-bit kinds, whose AVX2 unpacking is ALU-bound: their 1-row
+tile prefetches both streams and decodes.
 
 Loop order: row groups outside, activation row tiles inside. One group's
 weights (k/32 blocks of 160 bytes for q4_1: 20 KB at k = 4096) stay in L1

@@ -6,7 +6,8 @@
 
 qgemm has an AVX2 kernel (the baseline) and an AVX-512 one (AVX512BW +
 AVX512_VNNI) on the same weight layout. The widest one the CPU runs is used
-(for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2);
+(for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2, except for the
+AVX512_DECODE_KINDS);
 ``LLAMBDA_ISA=avx2`` caps it at the baseline (for ISA-fair comparisons), and
 ``isa=`` asks for one variant explicitly (tests compare them).
 """

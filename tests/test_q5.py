@@ -76,7 +76,8 @@ def real_tensors(type_name, count=3):
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_reference_and_layout_on_real_tensors(type_name):
+def test_reference_layout_and_kernels_on_real_tensors(native, ref, type_name):
+    from llambda.runtime.native.quant import qgemm_isas
     for tensor in real_tensors(type_name):
         k, n = (int(v) for v in tensor.shape[:2])
         raw = np.asarray(tensor.data)
@@ -84,6 +85,16 @@ def test_reference_and_layout_on_real_tensors(type_name):
         np.testing.assert_array_equal(bits(REFERENCE[type_name](raw)).reshape(n, k), bits(want), err_msg=tensor.name)
         w = layouts.pack(type_name, raw, n, k)
         np.testing.assert_array_equal(bits(layouts.dequantize(w)), bits(want), err_msg=tensor.name)
+        m = 5
+        x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
+        qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+        native.quantize_q8(x, qs, d, s)
+        expected = nan_buffer((m, n))
+        ref.qgemm(qs, d, s, w, expected)
+        for isa in qgemm_isas():
+            got = nan_buffer((m, n))
+            native.qgemm(qs, d, s, w, got, isa=isa)
+            assert_close_to_reference(got, expected, magnitude_bound(qs, d, w))
 
 
 @given(st.sampled_from(TYPES), st.integers(1, 40), st.sampled_from([32, 64, 96, 160]), st.integers(0, 2**32 - 1),

@@ -576,7 +576,7 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     for total in totals:
         zero(total)
     if kind in FIVE_BIT:
-        masks = Q5Masks(r)
+        masks = Q5Masks(r, kind)
     else:
         constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
     MOV(r.blocks_left, r.scale_stride)
@@ -765,11 +765,11 @@ SHIFTED_OR_LOW = 0b11101100
 class Q5Masks:
     """The AVX-512 tile's byte masks (and q5_0's -16.0), broadcast once per tile."""
 
-    def __init__(self, r):
+    def __init__(self, r, kind):
         self.low5 = broadcast_constant(r, LOW5)
         self.high3 = broadcast_constant(r, HIGH3)
         self.low2 = broadcast_constant(r, LOW2)
-        self.min_per_scale = None
+        self.min_per_scale = broadcast_constant(r, _f32_bits(kind.min_per_scale)) if kind.min_per_scale else None
 
 
 def load_block_q5(r, kind, masks):
@@ -795,8 +795,7 @@ def load_block_q5(r, kind, masks):
         VMOVDQU(halves.as_xmm, [r.wscale])
         VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1], 1)
         VCVTPH2PS(d_w, halves)
-        factor = broadcast_constant(r, _f32_bits(kind.min_per_scale))
-        VMULPS(m_w, d_w, factor)
+        VMULPS(m_w, d_w, masks.min_per_scale)
     else:
         first, second = ZMMRegister(), ZMMRegister()
         VCVTPH2PS(first, [r.wscale])

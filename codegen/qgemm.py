@@ -80,7 +80,7 @@ from .common import Kernel, function, symbol, tail_mask
 from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
-from .contract import BLOCK, CHUNK, GROUP
+from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS
 YMM_COUNT = 16
 # Decode streams the weights once: prefetching 16 KiB ahead lifts a cold single-thread
 # GEMV from ~32 to ~43 GB/s, the machine's read-probe bandwidth (measured 4-64 KiB).
@@ -99,8 +99,10 @@ class QuantKind:
 Q4_1 = QuantKind("q4_1", quant_bytes=GROUP * BLOCK // 2, scale_bytes=2 * GROUP * 2, has_min=True)
 Q8_0 = QuantKind("q8_0", quant_bytes=GROUP * BLOCK, scale_bytes=GROUP * 2, has_min=False)
 # five-bit quants (runtime/layout_q5.py): 20 bytes a block per row; Q5_0's m = -16 d is not stored
-Q5_0 = QuantKind("q5_0", quant_bytes=GROUP * 20, scale_bytes=GROUP * 2, has_min=True, min_per_scale=-16.0)
-Q5_1 = QuantKind("q5_1", quant_bytes=GROUP * 20, scale_bytes=2 * GROUP * 2, has_min=True)
+Q5_0 = QuantKind("q5_0", quant_bytes=QUANT_ARRAYS["q5_0"][0].bytes_per_entry,
+                 scale_bytes=QUANT_ARRAYS["q5_0"][1].bytes_per_entry, has_min=True, min_per_scale=-16.0)
+Q5_1 = QuantKind("q5_1", quant_bytes=QUANT_ARRAYS["q5_1"][0].bytes_per_entry,
+                 scale_bytes=QUANT_ARRAYS["q5_1"][1].bytes_per_entry, has_min=True)
 FIVE_BIT = (Q5_0, Q5_1)
 KINDS = (Q4_1, Q8_0) + FIVE_BIT
 
@@ -663,7 +665,8 @@ def store_tile_avx512(r, totals, ldo_bytes, name):
 # them in int32 (with registers to spare, chunks 2-3 keep a second int16 sum instead).
 
 LOW5, HIGH3, LOW2 = 0x1F1F1F1F, 0x1C1C1C1C, 0x03030303
-Q5_LOW_BITS = BLOCK // 2 // CHUNK           # the chunk holding the second half's low bits
+Q5_CHUNKS = BLOCK // 2 // CHUNK             # chunks 0..3 hold q[4c..] and the top of q[16+4c..]
+Q5_LOW_BITS = Q5_CHUNKS                     # chunk 4 holds the low bits of q[16..31]
 
 
 class Q5TileConstants:
@@ -683,14 +686,13 @@ class Q5TileConstants:
         for name, constant in wanted.items():
             if spare > 0:
                 register = YMMRegister()
-                VMOVDQA(register, constant) if name != "min_per_scale" else VMOVAPS(register, constant)
+                (VMOVAPS if name == "min_per_scale" else VMOVDQA)(register, constant)
                 constant, spare = register, spare - 1
             setattr(self, name, constant)
         self.low_bits = None
         if spare > 0:
             self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
         self.split_sums = spare >= rows
-        spare -= rows if self.split_sums else 0
         self.accumulators_per_row = 1
 
 
@@ -720,7 +722,7 @@ def emit_block_q5(r, kind, consts, acc, facc):
     row.prepare()
     if consts.low_bits is not None:
         VMOVDQA(consts.low_bits, [r.wq + 32 * Q5_LOW_BITS])
-    for c in range(Q5_LOW_BITS):
+    for c in range(Q5_CHUNKS):
         emit_unpack_q5_avx2(r, consts, c, lo, hi, prod)
         for i in range(len(acc)):
             # low are weights 4c..4c+3 of the block, high 16+4c..16+4c+3
@@ -777,7 +779,7 @@ def load_block_q5(r, kind, masks):
     low_bits = ZMMRegister()
     load_pair(r, low_bits, 32 * Q5_LOW_BITS)
     weights = []
-    for c in range(Q5_LOW_BITS):
+    for c in range(Q5_CHUNKS):
         low, high, tmp = ZMMRegister(), ZMMRegister(), ZMMRegister()
         load_pair(r, low, 32 * c)
         if c:

@@ -584,8 +584,9 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     MOV(r.blocks_left, r.scale_stride)
     SHR(r.blocks_left, 2)
     with Loop() as blocks:
-        if rows == 1 and kind in FIVE_BIT:
-            # five-bit kinds decode on this tile too (runtime/native/quant.py): stream both groups
+        if rows <= 2 and kind in FIVE_BIT:
+            # five-bit kinds decode (m < 4) on these tiles too (runtime/native/quant.py): stream
+            # both groups (m = 3 prefetches twice, the 1-row tile's lines already cached)
             for line in range(0, kind.quant_bytes, 64):
                 PREFETCHT0([r.wq + PREFETCH_BYTES + line])
                 PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line])

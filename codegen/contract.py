@@ -55,6 +55,11 @@ QUANT_ARRAYS = {
              ArraySpec("dm", np.float16, (2, GROUP))),                          # d then m of each row
     "q8_0": (ArraySpec("qs", np.int8, (BLOCK // CHUNK, GROUP, CHUNK)),          # int8, 8 chunks
              ArraySpec("d", np.float16, (GROUP,))),
+    # five-bit quants: 4 chunks of q[4c..] | q[16+4c..] >> 2 << 5, then the low bits (layout_q5.py)
+    "q5_0": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK + 1, GROUP, CHUNK)),
+             ArraySpec("d", np.float16, (GROUP,))),                             # m = -16 d in the kernel
+    "q5_1": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK + 1, GROUP, CHUNK)),
+             ArraySpec("dm", np.float16, (2, GROUP))),
 }
 
 

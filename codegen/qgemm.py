@@ -3,8 +3,9 @@
     llb_qgemm_<kind>_q8_6x8__avx2(wq, wscale, aq, ad, asum, out, m, n, kb, ldo)
     llb_qgemm_<kind>_q8_16x16__avx512(...)      same arguments, same weight layout
 
-W is a packed ``q4_1`` or ``q8_0`` weight (runtime/layout_quant.py: groups of
-8 rows, quant bytes interleaved 4 at a time, f16 scales); the activations are
+W is a packed ``q4_1``, ``q8_0``, ``q5_0`` or ``q5_1`` weight (runtime/layout_quant.py,
+runtime/layout_q5.py: groups of 8 rows, quant bytes interleaved 4 at a time, f16
+scales; the five-bit kinds are unpacked as described in their section below); the activations are
 Q8 blocks from quantize_q8: ``aq`` int8 [m, 32 kb], ``ad`` and ``asum`` f32
 [m, kb] (scale, and scale * sum of the block's quants). ``wq`` / ``wscale``
 point at the first row group to compute, ``out`` at the output element of that
@@ -47,7 +48,9 @@ tile, and one block's weights (8 zmm) stay in registers while the rows pass
 one at a time. Rows left over (m % 16) run tiles of 8, 4, 2 and 1 rows. A
 lone last row group (an odd group count) pairs with itself and stores only its
 8 columns. Decode (m < 4) stays on AVX2: the two groups are two weight streams
-each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py).
+each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py) --
+except for the five-bit kinds, whose AVX2 unpacking is ALU-bound: their 1-row
+tile prefetches both streams and decodes.
 
 Loop order: row groups outside, activation row tiles inside. One group's
 weights (k/32 blocks of 160 bytes for q4_1: 20 KB at k = 4096) stay in L1
@@ -68,7 +71,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL,
                             RETURN, LocalVariable, ADD, SUB, MOV, SHL, SHR, IMUL, LEA, XOR, CMP, TEST, JB, JBE,
                             JA, JNE, JAE, JG, JMP, JNZ, JZ, VMOVDQA, VMOVDQU, VPSRLW, VPAND, VPANDD, VPBROADCASTD,
-                            VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
+                            VPMADDUBSW, VPADDW, VPOR, VPTERNLOGD, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
                             VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS, VMULPS, VADDPS, VFMADD231PS, VXORPS, VMOVUPS,
                             VMOVAPS, VMASKMOVPS, VINSERTI64X4, VINSERTI128, VSHUFF64X2, VBROADCASTI64X4, VEXTRACTF64X4,
                             PREFETCHT0)
@@ -77,7 +80,7 @@ from .common import Kernel, function, symbol, tail_mask
 from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
-from .contract import BLOCK, CHUNK, GROUP
+from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS
 YMM_COUNT = 16
 # Decode streams the weights once: prefetching 16 KiB ahead lifts a cold single-thread
 # GEMV from ~32 to ~43 GB/s, the machine's read-probe bandwidth (measured 4-64 KiB).
@@ -90,11 +93,18 @@ class QuantKind:
     quant_bytes: int      # per block of one group (8 rows)
     scale_bytes: int      # f16 scales (and mins) per block of one group
     has_min: bool
+    min_per_scale: float = 0.0   # m = this * d, formed in the kernel (0: m is stored after d)
 
 
 Q4_1 = QuantKind("q4_1", quant_bytes=GROUP * BLOCK // 2, scale_bytes=2 * GROUP * 2, has_min=True)
 Q8_0 = QuantKind("q8_0", quant_bytes=GROUP * BLOCK, scale_bytes=GROUP * 2, has_min=False)
-KINDS = (Q4_1, Q8_0)
+# five-bit quants (runtime/layout_q5.py): 20 bytes a block per row; Q5_0's m = -16 d is not stored
+Q5_0 = QuantKind("q5_0", quant_bytes=QUANT_ARRAYS["q5_0"][0].bytes_per_entry,
+                 scale_bytes=QUANT_ARRAYS["q5_0"][1].bytes_per_entry, has_min=True, min_per_scale=-16.0)
+Q5_1 = QuantKind("q5_1", quant_bytes=QUANT_ARRAYS["q5_1"][0].bytes_per_entry,
+                 scale_bytes=QUANT_ARRAYS["q5_1"][1].bytes_per_entry, has_min=True)
+FIVE_BIT = (Q5_0, Q5_1)
+KINDS = (Q4_1, Q8_0) + FIVE_BIT
 
 SIGNATURE = [("wq", "const uint8_t*"), ("wscale", "const uint16_t*"), ("aq", "const int8_t*"),
              ("ad", "const float*"), ("asum", "const float*"), ("out", "float*"),
@@ -401,7 +411,7 @@ class TileConstants:
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
-    consts = TileConstants(kind, rows)
+    consts = (Q5TileConstants if kind in FIVE_BIT else TileConstants)(kind, rows)
     facc = [[YMMRegister() for _ in range(consts.accumulators_per_row)] for _ in range(rows)]
     for pair in facc:
         for f in pair:
@@ -414,7 +424,9 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
             for line in range(0, kind.quant_bytes, 64):
                 PREFETCHT0([r.wq + PREFETCH_BYTES + line])
         acc = [YMMRegister() for _ in range(rows)]
-        if kind is Q4_1:
+        if kind in FIVE_BIT:
+            emit_block_q5(r, kind, consts, acc, facc)
+        elif kind is Q4_1:
             emit_block_q4_1(r, consts, acc, facc)
         else:
             emit_block_q8_0(r, consts, acc, facc)
@@ -565,18 +577,29 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     totals = TOTALS[:rows]
     for total in totals:
         zero(total)
-    constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
+    if kind in FIVE_BIT:
+        masks = Q5Masks(r, kind)
+    else:
+        constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
     MOV(r.blocks_left, r.scale_stride)
     SHR(r.blocks_left, 2)
     with Loop() as blocks:
-        if kind is Q4_1:
+        if rows <= 2 and kind in FIVE_BIT:
+            # five-bit kinds decode (m < 4) on these tiles too (runtime/native/quant.py): stream
+            # both groups (m = 3 prefetches twice, the 1-row tile's lines already cached)
+            for line in range(0, kind.quant_bytes, 64):
+                PREFETCHT0([r.wq + PREFETCH_BYTES + line])
+                PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line])
+        if kind in FIVE_BIT:
+            weights, d_w, m_w = load_block_q5(r, kind, masks)
+        elif kind is Q4_1:
             weights, d_w, m_w = load_block_q4_1(r, constant)
         else:
             weights, d_w, correction = load_block_q8_0(r, constant)
         # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
         XOR(r.spare, r.spare)
         for i, total in enumerate(totals):
-            if kind is Q4_1:
+            if kind is Q4_1 or kind in FIVE_BIT:
                 emit_row_q4_1(r, weights, d_w, m_w, total)
             else:
                 emit_row_q8_0(r, weights, d_w, correction, constant, total)
@@ -623,6 +646,171 @@ def store_tile_avx512(r, totals, ldo_bytes, name):
         VMASKMOVPS([r.spare], mask, half)
         ADD(r.spare, ldo_bytes)
     LABEL(done)
+
+
+# --------------------------------------------------------------------------- five-bit kinds (q5_0, q5_1)
+#
+# A block of one group is 5 chunks of 32 bytes (runtime/layout_q5.py): chunk c < 4 holds
+# q[4c + i] in bits 0-4 and q[16 + 4c + i] >> 2 in bits 5-7 of each row's byte i, chunk 4
+# the low two bits of q[16 + 4c + i] at bit 2c. Unpacked, chunk c gives the same two
+# vectors as a q4_1 chunk (weights 4c..4c+3 and 16+4c..16+4c+3 of 8 rows, now 0..31):
+#     low  = B_c & 31
+#     high = ((B_c >> 3) & 28) | ((B_4 >> 2c) & 3)
+# (16-bit shifts: the masks drop what the next byte shifts in). Q5_0's d (q - 16) is
+# d q + m with m = -16 d, formed in f32 in the kernel (exact, a power of two), so both
+# kinds share the q4_1 arithmetic per block: out += (d_w d_a) sum(q_w q_a) + m_w s_a.
+#
+# AVX2: a vpmaddubsw pair sum is up to 2 * 31 * 127 = 7874, so at most four of them add
+# up in int16: the products of chunks 0 and 1 sum in the row's block register, which a
+# vpmaddwd then widens in place; chunks 2 and 3 each widen their two products and add
+# them in int32 (with registers to spare, chunks 2-3 keep a second int16 sum instead).
+
+LOW5, HIGH3, LOW2 = 0x1F1F1F1F, 0x1C1C1C1C, 0x03030303
+Q5_CHUNKS = BLOCK // 2 // CHUNK             # chunks 0..3 hold q[4c..] and the top of q[16+4c..]
+Q5_LOW_BITS = Q5_CHUNKS                     # chunk 4 holds the low bits of q[16..31]
+
+
+class Q5TileConstants:
+    """TileConstants for five-bit kinds: the masks, vpmaddwd's ones, the low-bits chunk of
+    the block and (q5_0) -16.0 in registers while the tile leaves some free, else memory
+    operands (the low-bits chunk is then reloaded per chunk); then, with registers to
+    spare, a second int16 block sum per row. The min term shares the row's f32
+    accumulator in every tile (a second one measured no faster in the decode GEMV), so
+    every row sums exactly as the AVX-512 tile does: the ISAs agree bit for bit."""
+
+    def __init__(self, kind, rows):
+        spare = YMM_COUNT - 4 - 2 * rows       # low/high weights, broadcast, product; sums
+        wanted = {"ones": Constant.uint16x16(1), "low5": Constant.uint32x8(LOW5),
+                  "high3": Constant.uint32x8(HIGH3), "low2": Constant.uint32x8(LOW2)}
+        if kind.min_per_scale:
+            wanted["min_per_scale"] = Constant.float32x8(kind.min_per_scale)
+        for name, constant in wanted.items():
+            if spare > 0:
+                register = YMMRegister()
+                (VMOVAPS if name == "min_per_scale" else VMOVDQA)(register, constant)
+                constant, spare = register, spare - 1
+            setattr(self, name, constant)
+        self.low_bits = None
+        if spare > 0:
+            self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
+        self.split_sums = spare >= rows
+        self.accumulators_per_row = 1
+
+
+def emit_unpack_q5_avx2(r, consts, c, low, high, tmp):
+    """low, high = the two weight vectors of chunk c (tmp is clobbered)."""
+    VMOVDQA(low, [r.wq + 32 * c])
+    VPSRLW(high, low, 3)
+    VPAND(high, high, consts.high3)
+    if consts.low_bits is not None:
+        source = consts.low_bits
+    else:
+        VMOVDQA(tmp, [r.wq + 32 * Q5_LOW_BITS])
+        source = tmp
+    if c:
+        VPSRLW(tmp, source, 2 * c)
+        source = tmp
+    VPAND(tmp, source, consts.low2)
+    VPOR(high, high, tmp)
+    VPAND(low, low, consts.low5)
+
+
+def emit_block_q5(r, kind, consts, acc, facc):
+    """One 32-weight block of one group for ``len(acc)`` activation rows."""
+    lo, hi, bcast, prod = (YMMRegister() for _ in range(4))
+    second = [YMMRegister() for _ in acc] if consts.split_sums else None
+    row = RowAddresses(r.act, r.row_stride, r.spare, len(acc))
+    row.prepare()
+    if consts.low_bits is not None:
+        VMOVDQA(consts.low_bits, [r.wq + 32 * Q5_LOW_BITS])
+    for c in range(Q5_CHUNKS):
+        emit_unpack_q5_avx2(r, consts, c, lo, hi, prod)
+        for i in range(len(acc)):
+            # low are weights 4c..4c+3 of the block, high 16+4c..16+4c+3
+            VPBROADCASTD(bcast, row(i, CHUNK * c))
+            VPMADDUBSW(prod, lo, bcast)
+            VPBROADCASTD(bcast, row(i, BLOCK // 2 + CHUNK * c))
+            VPMADDUBSW(bcast, hi, bcast)
+            if c == 0:
+                VPADDW(acc[i], prod, bcast)
+            elif c == 1:
+                VPADDW(acc[i], acc[i], prod)
+                VPADDW(acc[i], acc[i], bcast)
+                VPMADDWD(acc[i], acc[i], consts.ones)
+            elif second is not None:
+                if c == 2:
+                    VPADDW(second[i], prod, bcast)
+                else:
+                    VPADDW(second[i], second[i], prod)
+                    VPADDW(second[i], second[i], bcast)
+            else:
+                VPADDW(prod, prod, bcast)
+                VPMADDWD(prod, prod, consts.ones)
+                VPADDD(acc[i], acc[i], prod)
+    if second is not None:
+        for a, s in zip(acc, second):
+            VPMADDWD(s, s, consts.ones)
+            VPADDD(a, a, s)
+    d_w, m_w = lo, hi
+    VCVTPH2PS(d_w, [r.wscale])
+    if kind.min_per_scale:
+        VMULPS(m_w, d_w, consts.min_per_scale)
+    else:
+        VCVTPH2PS(m_w, [r.wscale + GROUP * 2])
+    emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod)
+
+
+# vpternlogd truth table (bit a*4 + b*2 + c for dest a, sources b, c) of (a & c) | b:
+# the shifted chunk keeps its mask's bits, the (clean) low bits fill the rest
+SHIFTED_OR_LOW = 0b11101100
+
+
+class Q5Masks:
+    """The AVX-512 tile's byte masks (and q5_0's -16.0), broadcast once per tile."""
+
+    def __init__(self, r, kind):
+        self.low5 = broadcast_constant(r, LOW5)
+        self.high3 = broadcast_constant(r, HIGH3)
+        self.low2 = broadcast_constant(r, LOW2)
+        self.min_per_scale = broadcast_constant(r, _f32_bits(kind.min_per_scale)) if kind.min_per_scale else None
+
+
+def load_block_q5(r, kind, masks):
+    """The block's unpacked weights of both groups: (low, high) per chunk, and d_w, m_w."""
+    low_bits = ZMMRegister()
+    load_pair(r, low_bits, 32 * Q5_LOW_BITS)
+    weights = []
+    for c in range(Q5_CHUNKS):
+        low, high, tmp = ZMMRegister(), ZMMRegister(), ZMMRegister()
+        load_pair(r, low, 32 * c)
+        if c:
+            VPSRLW(tmp, low_bits, 2 * c)
+            VPANDD(tmp, tmp, masks.low2)
+        else:
+            VPANDD(tmp, low_bits, masks.low2)
+        VPSRLW(high, low, 3)
+        VPTERNLOGD(high, tmp, masks.high3, SHIFTED_OR_LOW)
+        VPANDD(low, low, masks.low5)
+        weights.append((low, high))
+    d_w, m_w = ZMMRegister(), ZMMRegister()
+    if kind.min_per_scale:
+        halves = YMMRegister()
+        VMOVDQU(halves.as_xmm, [r.wscale])
+        VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1], 1)
+        VCVTPH2PS(d_w, halves)
+        VMULPS(m_w, d_w, masks.min_per_scale)
+    else:
+        first, second = ZMMRegister(), ZMMRegister()
+        VCVTPH2PS(first, [r.wscale])
+        VCVTPH2PS(second, [r.wscale + r.pair_scales * 1])
+        VSHUFF64X2(d_w, first, second, 0b01_00_01_00)
+        VSHUFF64X2(m_w, first, second, 0b11_10_11_10)
+    return weights, d_w, m_w
+
+
+def _f32_bits(value):
+    import struct
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def emit(isa):

@@ -24,7 +24,7 @@ from .tokenizer import byte_level_alphabet
 
 __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 # Llama-like shapes. 1.1b is TinyLlama's; 0.5b is a Llama-shaped model of 0.52
 # billion parameters (64-wide heads, 4:1 grouped-query attention).
@@ -41,6 +41,8 @@ _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
 }
 
 # Rows per quantization call: bounds the float32 staging memory of one big

@@ -8,6 +8,8 @@ meaning depends on ``kind``:
     q4_1    qs (nibbles, 8 rows interleaved 4 bytes at a time), dm (f16 scales, mins)
             -- Q4_0 (as m = -8d) and Q4_1 weights
     q8_0    qs (int8, 8 rows interleaved 4 bytes at a time), d (f16 scales) -- Q8_0 weights
+    q5_0    qs (five-bit quants packed 20 bytes a block, 8 rows interleaved), d -- Q5_0 weights
+    q5_1    qs (as q5_0), dm (f16 scales, mins)                      -- Q5_1 weights
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 
@@ -54,7 +56,7 @@ def register(layout):
 
 
 def _load_layouts():
-    from . import layout_quant, layout_float  # noqa: F401  (each calls register)
+    from . import layout_quant, layout_float, layout_q5  # noqa: F401  (each calls register)
 
 
 def supported_types():

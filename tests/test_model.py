@@ -15,7 +15,7 @@ from llambda.synth import write_random_llama
 from reference_forward import reference_logits
 
 FLOAT_TYPES = ["F32", "F16", "BF16"]
-QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 # Float models use sizes that are not multiples of 8 (head_dim 18) to reach
 # every masked tail; quantized ones need k % 32 == 0.

@@ -6,7 +6,8 @@
 
 qgemm has an AVX2 kernel (the baseline) and an AVX-512 one (AVX512BW +
 AVX512_VNNI) on the same weight layout. The widest one the CPU runs is used
-(for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2);
+(for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2, except for the
+AVX512_DECODE_KINDS);
 ``LLAMBDA_ISA=avx2`` caps it at the baseline (for ISA-fair comparisons), and
 ``isa=`` asks for one variant explicitly (tests compare them).
 """
@@ -33,6 +34,11 @@ ISA_CAP = "LLAMBDA_ISA"
 # With few activation rows it is memory-bound and streams slower (cold GEMV, m = 1: ~25
 # vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
 AVX512_MIN_ROWS = 4
+# ... except for kinds whose unpacking costs more vector work per weight byte than the
+# memory delivers it at: their AVX2 GEMV is ALU-bound, the AVX-512 one (half the
+# instructions per byte, ternary logic) is not, and it prefetches both of its streams.
+# Their tiles sum every row alike, so the ISA switch changes no bit.
+AVX512_DECODE_KINDS = ("q5_0", "q5_1")
 ELEMENT_ALIGN = 4
 
 
@@ -103,10 +109,11 @@ def widest_qgemm_isa():
     return [isa for isa in qgemm_isas() if names.index(isa) <= names.index(cap)][-1]
 
 
-def _qgemm_isa(isa, m):
+def _qgemm_isa(isa, m, kind):
     if isa is None:
         widest = widest_qgemm_isa()
-        return "avx2" if widest == "avx512" and m < AVX512_MIN_ROWS else widest
+        few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
+        return "avx2" if widest == "avx512" and few_rows else widest
     if isa not in qgemm_isas():
         raise ValueError(f"isa: expected one of {', '.join(qgemm_isas())} (the qgemm variants this CPU "
                          f"and kernel library run), got {isa!r}")
@@ -125,7 +132,7 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
-    isa = _qgemm_isa(isa, m)
+    isa = _qgemm_isa(isa, m, w.kind)
     return qgemm_symbol(w.kind, QGEMM_TILES[isa], isa), [
         *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

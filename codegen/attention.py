@@ -6,6 +6,13 @@ For query i (absolute position pos0 + i) and query head h in [h0, h1):
     p        = softmax(s)                           (max-subtracted)
     out[i,h] = sum_j p_j v[kv(h), j]                kv(h) = h // group
 
+Two kernels: ``attention`` sees every earlier key; ``attention_window`` (Gemma's
+sliding-window layers) only the last ``window`` ones, j > pos0 + i - window
+(llama.cpp's standard SWA masks p - j >= window). It is the same code with the
+first key and the key count of each query moved to the window: its scores,
+softmax and P V passes run over min(pos0 + i + 1, window) keys, never a
+masked one. ``attention`` is emitted exactly as before the window existed.
+
 Query heads that share a KV head are processed together, up to MAX_HEADS at a
 time: each K and V row is then read once per query and KV head instead of once
 per query head, and at long contexts decode is bound by reading the cache.
@@ -36,7 +43,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR,
-                            VMOVUPS, VMOVAPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VANDPS,
+                            VMOVUPS, VMOVAPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VANDPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VSUBPS, VMULPS, VMULSS, VDIVPS, VMAXPS, VHADDPS,
                             VPERM2F128, VBLENDPS, VBLENDVPS, VEXTRACTF128)
 
@@ -66,6 +73,10 @@ SIGNATURE = [("q", "const float*"), ("k_cache", "const float*"), ("v_cache", "co
              ("m", "size_t"), ("head_dim", "size_t"), ("n_head", "size_t"), ("group", "size_t"),
              ("n_ctx", "size_t"), ("pos0", "size_t"), ("h0", "size_t"), ("h1", "size_t"),
              ("scale", "float")]
+# The window travels as a float: a plan record has 13 integer slots and the
+# signature above fills them. float32 holds every integer below 2^24 exactly
+# (the binding checks window < n_ctx <= 2^24); the kernel truncates it back.
+WINDOW_SIGNATURE = SIGNATURE + [("window", "float")]
 
 
 def gp():
@@ -83,13 +94,19 @@ def row(base, stride, r, disp=0):
     return [base + stride * r + disp]
 
 
-def new_frame():
-    """Stack slots for the loop state (8 bytes each, the scale 4)."""
+def new_frame(windowed):
+    """Stack slots for the loop state (8 bytes each, the scale 4).
+
+    ``windowed`` adds the window, the keys up to the current query (``total``)
+    and the bytes from a head's first cache row to the window's (``key_skip``)."""
     names = ["q_row", "out_row", "queries_left", "n_keys", "h", "h1", "kv", "group_end", "group",
              "k", "v", "kv_stride", "row_stride", "hd4", "full_chunks", "tail", "stride4", "scores",
              "q_heads", "k_head", "v_head", "out_heads", "heads_count", "h0", "kv0", "group_end0"]
+    if windowed:
+        names += ["window", "total", "key_skip"]
     frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
     frame.scale = LocalVariable(4)
+    frame.windowed = windowed
     return frame
 
 
@@ -475,6 +492,8 @@ def emit_head_pointers(frame):
     MOV(frame.out_heads, p)
     MOV(kv_offset, frame.kv)
     IMUL(kv_offset, frame.kv_stride)
+    if frame.windowed:
+        ADD(kv_offset, frame.key_skip)
     MOV(p, frame.k)
     ADD(p, kv_offset)
     MOV(frame.k_head, p)
@@ -524,6 +543,11 @@ def emit_setup(frame, args):
     scale = YMMRegister()
     LOAD.ARGUMENT(scale.as_xmm, by_name["scale"])
     VMOVSS(frame.scale, scale.as_xmm)
+    if frame.windowed:
+        window_f, window = YMMRegister(), gp()
+        LOAD.ARGUMENT(window_f.as_xmm, by_name["window"])
+        VCVTTSS2SI(window, window_f.as_xmm)
+        MOV(frame.window, window)
     for name, slot in (("group", frame.group), ("h0", frame.h0), ("h1", frame.h1)):
         MOV(slot, load(name))
     # kv0 = h0 // group by counting (no DIV: its implicit rax/rdx operands are
@@ -563,7 +587,7 @@ def emit_setup(frame, args):
     MOV(frame.stride4, t)
     pos0 = load("pos0")
     ADD(pos0, 1)
-    MOV(frame.n_keys, pos0)
+    MOV(frame.total if frame.windowed else frame.n_keys, pos0)
     group_end = gp()
     MOV(group_end, frame.kv0)
     ADD(group_end, 1)
@@ -571,23 +595,40 @@ def emit_setup(frame, args):
     MOV(frame.group_end0, group_end)
 
 
-def emit_attention(isa):
-    fn, args = function(symbol("attention", "f32", "", isa), SIGNATURE, isa)
+def emit_window(frame):
+    """This query's keys: n_keys = min(total, window), the last of them at total - 1."""
+    total, n_keys, skip = gp(), gp(), gp()
+    MOV(total, frame.total)
+    MOV(n_keys, frame.window)
+    CMP(n_keys, total)
+    CMOVA(n_keys, total)
+    MOV(frame.n_keys, n_keys)
+    MOV(skip, total)
+    SUB(skip, n_keys)
+    IMUL(skip, frame.hd4)
+    MOV(frame.key_skip, skip)
+
+
+def emit_attention(isa, windowed=False):
+    name, signature = ("attention_window", WINDOW_SIGNATURE) if windowed else ("attention", SIGNATURE)
+    fn, args = function(symbol(name, "f32", "", isa), signature, isa)
     with fn:
-        frame = new_frame()
+        frame = new_frame(windowed)
         emit_setup(frame, args)
         with Loop() as queries:
+            if windowed:
+                emit_window(frame)
             emit_query(frame)
             step = gp()
             MOV(step, frame.row_stride)
             ADD(frame.q_row, step)
             ADD(frame.out_row, step)
-            ADD(frame.n_keys, 1)
+            ADD(frame.total if windowed else frame.n_keys, 1)
             SUB(frame.queries_left, 1)
             JNZ(queries.begin)
         RETURN()
-    return Kernel(fn, "attention", isa, tile=f"h{MAX_HEADS}", args=SIGNATURE)
+    return Kernel(fn, "attention", isa, tile=f"h{MAX_HEADS}", args=signature)
 
 
 def emit(isa):
-    return [emit_attention(isa)]
+    return [emit_attention(isa), emit_attention(isa, windowed=True)]

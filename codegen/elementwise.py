@@ -1,5 +1,5 @@
-"""Elementwise and row-wise FP32 kernels: add, scale, exp, SiLU*mul, RMSNorm, softmax, RoPE,
-and the KV cache store.
+"""Elementwise and row-wise FP32 kernels: add, scale, exp, SiLU*mul, GELU*mul, bias add, RMSNorm,
+softmax, RoPE, and the KV cache store.
 
 Every kernel handles any length: unrolled steps of several 8-lane vectors,
 then single vectors, then one masked vector for the tail (VMASKMOVPS), so
@@ -17,7 +17,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, 
                             RETURN, LABEL, Label, JMP, JB, JNZ, JBE, ADD, SUB, MOV, IMUL,
                             LEA, SHL, SHR, XOR, VADDPS, VMULPS, VDIVPS, VSUBPS, VMAXPS, VANDPS, VXORPS,
                             VMOVAPS, VBROADCASTSS, VBLENDVPS, VPERMILPS, VPERM2F128,
-                            VFMADD231PS, VCVTPS2PD, VEXTRACTF128, VFMADD231PD, VADDPD, VPERMILPD,
+                            VFMADD231PS, VFMADD132PS, VCVTPS2PD, VEXTRACTF128, VFMADD231PD, VADDPD, VPERMILPD,
                             VXORPD, VUCOMISS, VCVTSS2SD, VCVTSI2SD, VDIVSD, VADDSD, VSQRTSD, VMOVAPD,
                             VCVTSD2SS)
 
@@ -175,6 +175,82 @@ def emit_silu_mul(isa):
             v.store(out, e)
 
         stream(n, [index], step, UNROLL_EXP)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+# GELU, tanh approximation (as llama.cpp's ggml_gelu and Gemma use):
+#   gelu(x) = 0.5 x (1 + tanh(y)),  y = sqrt(2/pi) (x + 0.044715 x^3)
+#           = x / (1 + exp(-2y))            (0.5 (1 + tanh y) = 1 / (1 + e^-2y))
+# The second form has no tanh to overflow and no 1 + tanh(y) cancelling to 0
+# for negative x; -2y = x (GELU_K1 + GELU_K2 x^2) is one FMA and a multiply.
+GELU_SQRT_2_OVER_PI = 0.79788456080286535588
+GELU_COEF_A = 0.044715
+GELU_K1 = -2.0 * GELU_SQRT_2_OVER_PI
+GELU_K2 = -2.0 * GELU_SQRT_2_OVER_PI * GELU_COEF_A
+# Gates are clamped below at GELU_CLAMP first, where gelu is already -0 in f32
+# (exp(-2y) overflows): then -inf gives -0 rather than -inf / inf = NaN. NaN stays NaN.
+GELU_CLAMP = -20.0
+
+
+def emit_gelu_mul(isa):
+    """out[i] = gelu_tanh(gate[i]) * up[i] for i < n (GeGLU, Gemma's FFN).
+
+    Computed as gate / (1 + exp(-2y)) (see GELU_K1): huge positive gates give
+    gate (exp(-2y) is 0, x^3 may be inf), huge negative ones -0, never NaN."""
+    sig = [("gate", "const float*"), ("up", "const float*"), ("out", "float*"), ("n", "size_t")]
+    fn, args = function(symbol("gelu_mul", "f32", "", isa), sig, isa)
+    with fn:
+        gate, up, out, n = load_arguments(args)
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+
+        def step(v):
+            g, z, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+            v.load(z, gate)
+            VMOVAPS(g, Constant.float32x8(GELU_CLAMP))
+            VMAXPS(g, g, z)                                 # constant first: a NaN gate survives
+            VMULPS(z, g, g)
+            VMOVAPS(t1, Constant.float32x8(GELU_K1))
+            VFMADD132PS(z, t1, Constant.float32x8(GELU_K2))   # K2 x^2 + K1
+            VMULPS(z, z, g)                                 # -2y
+            exp_ps(z, z, t1, t2)
+            VADDPS(z, z, Constant.float32x8(1.0))
+            VDIVPS(z, g, z)
+            v.load(t1, up)
+            VMULPS(z, z, t1)
+            v.store(out, z)
+
+        stream(n, [index], step, UNROLL_EXP)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+def emit_add_bias(isa):
+    """out[r, :] = x[r, :] + bias[:] for each of ``rows`` rows of ``n`` floats (Q/K/V biases).
+
+    out may be x: each element is read before it is written."""
+    sig = [("x", "const float*"), ("bias", "const float*"), ("out", "float*"), ("rows", "size_t"),
+           ("n", "size_t")]
+    fn, args = function(symbol("add_bias", "f32", "", isa), sig, isa)
+    with fn:
+        x_row, bias, out_row, rows, n = load_arguments(args)
+        row_bytes = GeneralPurposeRegister64()
+        LEA(row_bytes, [n * FLOAT_BYTES])
+
+        with Loop() as row_loop:
+            def step(v):
+                value, b = YMMRegister(), YMMRegister()
+                v.load(value, x_row)
+                v.load(b, bias)
+                VADDPS(value, value, b)
+                v.store(out_row, value)
+
+            stream_row(n, step, UNROLL_STREAMING)
+            ADD(x_row, row_bytes)
+            ADD(out_row, row_bytes)
+            SUB(rows, 1)
+            JNZ(row_loop.begin)
         RETURN()
     return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
 
@@ -518,5 +594,5 @@ def emit_kv_store(isa):
 
 
 def emit(isa):
-    return [emit_add(isa), emit_scale(isa), emit_exp(isa), emit_silu_mul(isa), emit_rmsnorm(isa),
-            emit_softmax(isa), emit_rope(isa, "pairs"), emit_rope(isa, "halves"), emit_kv_store(isa)]
+    return [emit_add(isa), emit_scale(isa), emit_exp(isa), emit_silu_mul(isa), emit_gelu_mul(isa),
+            emit_add_bias(isa), emit_rmsnorm(isa), emit_softmax(isa), emit_rope(isa, "pairs"), emit_rope(isa, "halves"), emit_kv_store(isa)]

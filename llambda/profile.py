@@ -320,6 +320,12 @@ def _work(op, run, config):
     if op.name != "attention":
         return op.flops, op.bytes
     c, m = config, run.m
+    window = op.window
+    if window:                                # a sliding window: each query sees at most `window` keys
+        keys = sum(min(run.pos0 + i + 1, window) for i in range(m))
+        flops = 4.0 * c.n_head * c.head_dim * keys
+        nbytes = 8.0 * c.n_kv_head * c.head_dim * min(run.pos0 + m, window + m - 1)
+        return flops, nbytes
     flops = 4.0 * m * c.n_head * c.head_dim * (run.pos0 + (m + 1) / 2)
     nbytes = 8.0 * c.n_kv_head * c.head_dim * (run.pos0 + m)      # the K and V rows it reads
     return flops, nbytes

@@ -31,6 +31,7 @@ from .native import embed as n_embed
 from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
 from .native import quant as n_quant
+from .native._lib import index_range
 from .plan import Plan, split_range
 
 LINE = 16                 # f32 per 64-byte cache line: the unit of every split
@@ -43,6 +44,7 @@ class OpInfo:
     name: str
     flops: float = 0.0
     bytes: float = 0.0
+    window: int = 0        # attention: its sliding window (0: unlimited), for costing it at another pos0
 
 
 def _interval(a):
@@ -122,6 +124,21 @@ class PlanRecorder:
                             MIN_SPLIT_ELEMENTS)
         self._add(calls, [gate, up], [out], OpInfo("silu_mul", 6.0 * gate.size, 12.0 * gate.size))
 
+    def gelu_mul(self, gate, up, out):
+        calls = self._split(gate.size, LINE, lambda s: n_elementwise.gelu_mul_call(gate, up, out, span=s),
+                            MIN_SPLIT_ELEMENTS)
+        self._add(calls, [gate, up], [out], OpInfo("gelu_mul", 10.0 * gate.size, 12.0 * gate.size))
+
+    def scale(self, x, s, out):
+        calls = self._split(x.size, LINE, lambda sp: n_elementwise.scale_call(x, s, out, span=sp),
+                            MIN_SPLIT_ELEMENTS)
+        self._add(calls, [x], [out], OpInfo("scale", x.size, 8.0 * x.size))
+
+    def add_bias(self, x, bias, out):
+        rows, n = int(np.prod(x.shape[:-1])), x.shape[-1]
+        calls = self._split(rows, 1, lambda r: n_elementwise.add_bias_call(x, bias, out, rows=r), min_size=8)
+        self._add(calls, [x, bias], [out], OpInfo("add_bias", rows * n, 8.0 * rows * n + 4.0 * n))
+
     def rope(self, x, positions, cos, sin, style, out):
         m = x.shape[0]
         calls = self._split(m, 1, lambda r: n_elementwise.rope_call(x, positions, cos, sin, style, out, rows=r),
@@ -134,15 +151,22 @@ class PlanRecorder:
                             min_size=64 if src.shape[0] < 8 else 0)
         self._add(calls, [src, positions], [cache], OpInfo("kv_store", 0, 8.0 * src.size))
 
-    def attention(self, q, k_cache, v_cache, pos0, scale, out, scratch):
+    def attention(self, q, k_cache, v_cache, pos0, scale, out, scratch, heads=None, window=0):
+        """``scratch`` is ignored (each thread has its own); ``heads=(h0, h1)`` records only
+        those query heads, split across the threads; ``window`` as in the binding."""
         m, n_head, hd = q.shape
-        chunks = split_range(n_head, self.n_threads) if self.n_threads > 1 else [(0, n_head)]
+        h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
+        chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
         calls = [None if c is None else
-                 n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, self._scratch[t], heads=c)
+                 n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, self._scratch[t],
+                                            heads=(h0 + c[0], h0 + c[1]), window=window)
                  for t, c in enumerate(chunks)]
-        keys = pos0 + m                                     # at most, for the last query
-        info = OpInfo("attention", 4.0 * m * n_head * hd * (pos0 + (m + 1) / 2),
-                      8.0 * k_cache.shape[0] * keys * hd)
+        keys_per_query = np.arange(pos0 + 1, pos0 + m + 1)
+        if window:
+            keys_per_query = np.minimum(keys_per_query, window)
+        keys = min(pos0 + m, window + m - 1) if window else pos0 + m     # K and V rows read
+        info = OpInfo("attention", 4.0 * (h1 - h0) * hd * float(keys_per_query.sum()),
+                      8.0 * k_cache.shape[0] * keys * hd, window=window)
         handle = self._add(calls, [q, k_cache, v_cache], [out], info)
         symbol = next(c[0] for c in calls if c is not None)
         int_names = [name for name, kind in self._manifest[symbol]["args"] if kind != "float"]

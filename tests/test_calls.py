@@ -63,6 +63,8 @@ def test_elementwise_spans_match_the_op(native, data, n):
     check_split(lambda out: native.exp(b, out), lambda out, s: ew.exp_call(b, out, span=s), n, n, LINE)
     check_split(lambda out: native.silu_mul(b, a, out), lambda out, s: ew.silu_mul_call(b, a, out, span=s),
                 n, n, LINE)
+    check_split(lambda out: native.gelu_mul(b, a, out), lambda out, s: ew.gelu_mul_call(b, a, out, span=s),
+                n, n, LINE)
 
 
 def test_a_span_covers_the_flattened_array(native):
@@ -82,6 +84,8 @@ def test_row_ranges_match_the_op(native, data, m, d):
     check_split(lambda out: native.rmsnorm(x, w, 1e-5, out),
                 lambda out, r: ew.rmsnorm_call(x, w, 1e-5, out, rows=r), (m, d), m)
     check_split(lambda out: native.softmax(x, out), lambda out, r: ew.softmax_call(x, out, rows=r), (m, d), m)
+    check_split(lambda out: native.add_bias(x, w, out), lambda out, r: ew.add_bias_call(x, w, out, rows=r),
+                (m, d), m)
 
 
 def test_rows_of_a_3d_input_count_every_leading_axis(native):
@@ -157,9 +161,9 @@ def test_a_cache_blocked_gemm_is_several_calls(native, m, k):
 
 # --------------------------------------------------------------------------- attention
 
-@given(st.data(), st.sampled_from([(1, 1), (4, 2), (9, 3), (6, 1)]), st.sampled_from([1, 7, 8, 64, 65]),
-       st.sampled_from([1, 2, 5]), st.sampled_from([0, 1, 30]))
-def test_attention_head_ranges_match_the_op(native, data, heads, head_dim, m, pos0):
+@given(st.data(), st.sampled_from([(1, 1), (4, 2), (9, 3), (6, 1), (4, 1)]), st.sampled_from([1, 7, 8, 64, 65, 256]),
+       st.sampled_from([1, 2, 5]), st.sampled_from([0, 1, 30]), st.sampled_from([0, 1, 3, 32]))
+def test_attention_head_ranges_match_the_op(native, data, heads, head_dim, m, pos0, window):
     n_head, n_kv = heads
     n_ctx = pos0 + m + 2
     q = float_arrays(data.draw, (m, n_head, head_dim), scale=1.0)
@@ -173,9 +177,9 @@ def test_attention_head_ranges_match_the_op(native, data, heads, head_dim, m, po
             scratch_of[heads] = native.attention_scratch(n_ctx)
         return scratch_of[heads]
 
-    check_split(lambda out: native.attention(q, k_cache, v_cache, pos0, scale, out, scratch(None)),
+    check_split(lambda out: native.attention(q, k_cache, v_cache, pos0, scale, out, scratch(None), window=window),
                 lambda out, h: native_attention.attention_call(q, k_cache, v_cache, pos0, scale, out,
-                                                               scratch(h), heads=h),
+                                                               scratch(h), heads=h, window=window),
                 q.shape, n_head)
 
 

@@ -71,6 +71,94 @@ def test_silu_mul_matches_reference(native, ref, data, n):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
+# --------------------------------------------------------------------------- GELU * up
+
+GELU_C = np.sqrt(2.0 / np.pi)
+FLT_U = 2.0 ** -24
+
+
+def gelu_tolerance(gate, up):
+    """Allowed |error| of gelu_mul, elementwise.
+
+    The kernel computes g / (1 + exp(z)), z = -2y rounded to f32 after three roundings
+    (x^2, FMA, x): exp(z) errs by up to ~3|z| u relative, which reaches the result
+    where exp(z) dominates 1 + exp(z) (negative gates), plus exp (< 1 ulp), +1, divide
+    and multiply: 4 (1 + |z|) u relative (measured max 2.6 (1 + |z|) u on a dense
+    sweep of [-10.2, 10]). atol: a gate below ~-10.1 makes exp(z) overflow and the
+    result -0, where the truth is below 10.2 e^-88.7 = 3.3e-38 times |up|."""
+    g = gate.astype(np.float64)
+    z = np.minimum(np.abs(2 * GELU_C * (g + 0.044715 * g ** 3)), 89.0)
+    want = np.abs(ref_gelu_tanh(gate) * up.astype(np.float64))
+    return 4 * (1 + z) * FLT_U * want + 4e-38 * np.abs(up.astype(np.float64))
+
+
+def ref_gelu_tanh(gate):
+    from llambda.runtime.ref.elementwise import gelu_tanh
+    return gelu_tanh(gate)
+
+
+@given(st.data(), sizes(8, LARGE))
+def test_gelu_mul_matches_reference(native, ref, data, n):
+    gate_scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 3.0, 10.0, 1e4, 1e30]), label="gate scale")
+    gate = float_arrays(data.draw, (n,), scale=gate_scale)
+    up_scales = [1e-3, 1.0, 1e4] + ([1e30] if gate_scale <= 10 else [])    # the product stays finite
+    up = float_arrays(data.draw, (n,), scale=data.draw(st.sampled_from(up_scales), label="up scale"))
+    want = nan_buffer(n)
+    ref.gelu_mul(gate, up, want)
+    tolerance = gelu_tolerance(gate, up)
+    got = output_for(data, data.draw(st.sampled_from([gate, up])))
+    native.gelu_mul(gate, up, got)
+    assert np.isfinite(got).all()
+    error = np.abs(got.astype(np.float64) - want)
+    assert (error <= tolerance).all(), f"max error / tolerance {(error / np.maximum(tolerance, 1e-300)).max()}"
+
+
+def test_gelu_mul_edges(native, ref):
+    """Huge gates: gate itself (x^3 overflows to inf, exp(-2y) to 0) or -0 (exp(-2y) to inf), never
+    NaN; infinities are the limits; NaN stays NaN; zero gives zero with its sign."""
+    gate = buffers.aligned_copy(np.float32([-np.inf, -3e38, -1e30, -1e19, -100.0, -20.0, -0.0, 0.0, 1e-38,
+                                            20.0, 1e19, 1e30, 3e38, np.inf, np.nan]))
+    up = buffers.full(gate.shape, 1.0)
+    got, want = nan_buffer(gate.shape), nan_buffer(gate.shape)
+    native.gelu_mul(gate, up, got)
+    ref.gelu_mul(gate, up, want)
+    expected = np.float32([-0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, 0.0, 5e-39, 20.0, 1e19, 1e30, 3e38,
+                           np.inf, np.nan])
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.signbit(got[:8]), np.signbit(expected[:8]))
+    np.testing.assert_array_equal(want, expected)
+
+
+def test_gelu_reference_is_the_tanh_formula():
+    """The reference's logistic form equals 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) where
+    the tanh form is well conditioned (x > -4: 1 + tanh does not cancel yet)."""
+    x = np.linspace(-4.0, 12.0, 100_001)
+    tanh_form = 0.5 * x * (1.0 + np.tanh(GELU_C * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(ref_gelu_tanh(x), tanh_form, rtol=1e-11, atol=1e-300)
+
+
+# --------------------------------------------------------------------------- bias
+
+@given(st.data(), st.integers(1, 5), sizes(8, LARGE))
+def test_add_bias_matches_reference(native, ref, data, m, n):
+    x = rows_with_scales(data, m, n, ROW_SCALES)
+    bias = float_arrays(data.draw, (n,), scale=data.draw(st.sampled_from([0.0, 1e-3, 1.0, 1e4, 1e30])))
+    want = nan_buffer((m, n))
+    ref.add_bias(x, bias, want)
+    got = output_for(data, x)
+    native.add_bias(x, bias, got)
+    np.testing.assert_array_equal(got, want)   # one IEEE add: exact
+
+
+def test_add_bias_takes_any_leading_shape(native, ref):
+    x = buffers.aligned_copy(np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5))
+    bias = buffers.aligned_copy(np.float32([1, -2, 0.5, 0, 1e30]))
+    want = nan_buffer(x.shape)
+    ref.add_bias(x, bias, want)
+    native.add_bias(x, bias, x)                # in place
+    np.testing.assert_array_equal(x, want)
+
+
 # --------------------------------------------------------------------------- RMSNorm
 
 @given(st.data(), st.integers(1, 4), sizes(8, LARGE), st.sampled_from([1e-6, 1e-5, 1.0]))
@@ -86,6 +174,24 @@ def test_rmsnorm_matches_reference(native, ref, data, m, d, eps):
     # three roundings: rtol 1e-5. Rows of 1e30 or 1e-30 take the f64 path.
     # atol: outputs of tiny rows times small weights may be subnormal.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-37)
+
+
+@given(st.data(), st.integers(1, 5), st.sampled_from([(1, 64), (2, 80), (3, 128), (4, 256), (7, 9)]))
+def test_rmsnorm_per_head(native, ref, data, m, heads):
+    """Q/K norms (Qwen 3, Gemma 3): q [m, n_head * head_dim] normalised per head, as the model
+    calls it, through a contiguous reshape to [m * n_head, head_dim] with w [head_dim]."""
+    n_head, head_dim = heads
+    q = rows_with_scales(data, m * n_head, head_dim, ROW_SCALES).reshape(m, n_head * head_dim)
+    w = float_arrays(data.draw, (head_dim,))
+    want = nan_buffer(q.shape)
+    ref.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6, want.reshape(m * n_head, head_dim))
+    for h in range(n_head):        # the same, written per head from the math
+        part = q[:, h * head_dim:(h + 1) * head_dim].astype(np.float64)
+        by_head = part / np.sqrt(np.mean(part * part, axis=-1, keepdims=True) + 1e-6) * w
+        np.testing.assert_allclose(want[:, h * head_dim:(h + 1) * head_dim], by_head, rtol=1e-6, atol=1e-37)
+    got = output_for(data, q)
+    native.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6, got.reshape(m * n_head, head_dim))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-37)    # as test_rmsnorm_matches_reference
 
 
 def test_rmsnorm_huge_and_tiny_rows_normalise_like_ordinary_ones(native):
@@ -251,6 +357,44 @@ def test_elementwise_reject_bad_arguments(native):
         native.silu_mul(shared[:16], a, shared[8:])
     with pytest.raises(ValueError, match="up: expected shape"):
         native.silu_mul(a, buffers.zeros((2, 8)), out)
+    with pytest.raises(ValueError, match="up: expected shape"):
+        native.gelu_mul(a, buffers.zeros(15), out)
+    with pytest.raises(ValueError, match="gate: expected dtype float32"):
+        native.gelu_mul(buffers.zeros(16, np.float16), a, out)
+    with pytest.raises(ValueError, match="out: overlaps up"):
+        native.gelu_mul(a, shared[:16], shared[8:])
+    with pytest.raises(ValueError, match="out: array is read-only"):
+        native.gelu_mul(a, a, read_only)
+    with pytest.raises(ValueError, match="up: data must be 32-byte aligned"):
+        native.gelu_mul(a, buffers.zeros(17)[1:], out)
+    assert_still_working(native)
+
+
+def test_add_bias_rejects_bad_arguments(native):
+    x = buffers.zeros((2, 16))
+    bias = buffers.zeros(16)
+    out = buffers.zeros((2, 16))
+    read_only = buffers.zeros((2, 16))
+    read_only.flags.writeable = False
+    flat = buffers.zeros(48)
+    bad = [
+        (dict(bias=buffers.zeros(15)), "bias: expected shape \\(16\\)"),
+        (dict(bias=buffers.zeros((1, 16))), "bias: expected shape"),
+        (dict(bias=buffers.zeros(16, np.float64)), "bias: expected dtype float32"),
+        (dict(x=buffers.zeros((2, 16), np.float16)), "x: expected dtype float32"),
+        (dict(x=buffers.zeros(()), out=buffers.zeros(())), "x: expected at least one dimension"),
+        (dict(x=buffers.zeros((16, 2)).T), "x: array must be C-contiguous"),
+        (dict(out=buffers.zeros((2, 15))), "out: expected shape"),
+        (dict(out=read_only), "out: array is read-only"),
+        (dict(x=flat[:32].reshape(2, 16), out=flat[16:].reshape(2, 16)), "out: overlaps x"),
+        (dict(x=flat[:32].reshape(2, 16), bias=flat[16:32], out=flat[:32].reshape(2, 16)), "out: overlaps bias"),
+        (dict(bias=buffers.zeros(17)[1:]), "bias: data must be 32-byte aligned"),
+    ]
+    for changes, message in bad:
+        args = dict(x=x, bias=bias, out=out)
+        args.update(changes)
+        with pytest.raises(ValueError, match=message):
+            native.add_bias(**args)
     assert_still_working(native)
 
 

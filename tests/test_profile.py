@@ -206,3 +206,18 @@ def test_cli_run_profile_prints_the_table_to_stderr(tiny_gguf):
     assert "| op" not in proc.stdout
     for needle in ("llambda profile:", "decode:", "prefill:", "qgemm_q4_1", "**python**"):
         assert needle in proc.stderr, proc.stderr
+
+
+def test_attention_work_honours_the_sliding_window():
+    """A windowed attention op is costed over the keys its queries see, not the whole prefix."""
+    from types import SimpleNamespace
+    from llambda.profile import _work
+    from llambda.runtime.recorder import OpInfo
+    config = SimpleNamespace(n_head=4, n_kv_head=1, head_dim=256)
+    run = SimpleNamespace(m=3, pos0=100)
+    unlimited = _work(OpInfo("attention"), run, config)
+    windowed = _work(OpInfo("attention", window=8), run, config)
+    assert unlimited == (4.0 * 3 * 4 * 256 * (100 + 2), 8.0 * 256 * 103)
+    assert windowed == (4.0 * 4 * 256 * 3 * 8, 8.0 * 256 * (8 + 2))
+    early = SimpleNamespace(m=1, pos0=2)                 # the window not yet full
+    assert _work(OpInfo("attention", window=8), early, config) == _work(OpInfo("attention"), early, config)

@@ -1,10 +1,15 @@
-"""Binding: grouped-query causal attention over an f32 KV cache (decode and prefill).
+"""Binding: grouped-query causal attention over an f32 KV cache (decode and prefill),
+optionally within a sliding window.
 
 Threads split the work by query heads (``heads=(h0, h1)``); each thread passes
 its own scratch, allocated once with ``attention_scratch``. ``attention_call``
 validates like ``attention`` and returns ``(kernel symbol, args)`` in the
-kernel's C argument order (the float ``scale`` last) for a plan: one call per
-thread, each with its own heads and scratch.
+kernel's C argument order (the floats ``scale`` and, windowed, ``window`` last)
+for a plan: one call per thread, each with its own heads and scratch.
+
+``window`` 0, or one that no query in a cache of n_ctx rows can exceed
+(window >= n_ctx), selects the unlimited kernel; any other window the
+windowed one (codegen/attention.py), which sees keys pos - window < j <= pos.
 """
 import functools
 
@@ -18,6 +23,9 @@ from ._lib import checked_address, index_range, kernel
 __all__ = ["attention", "attention_scratch"]
 
 SYMBOL = "llb_attention_f32__avx2"
+WINDOW_SYMBOL = "llb_attention_window_f32__avx2"
+# The windowed kernel receives the window as a float32 (codegen/attention.py), exact below 2^24.
+MAX_EXACT_WINDOW = 2 ** 24
 # Mirrors codegen/attention.py: query heads sharing a KV head done together,
 # each with one score row of n_ctx floats padded to 8. Checked against the
 # manifest's tile ("h3") when the kernel is first looked up.
@@ -44,10 +52,12 @@ def attention_scratch(n_ctx, m_max=1):
 @functools.lru_cache(maxsize=None)
 def _check_tile():
     """Once: the kernel in the library was built for the scratch layout this binding assumes."""
-    entry = library.load("avx2").manifest.get(SYMBOL)
-    if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
-        raise library.KernelLibraryError(f"{SYMBOL} was built with tile {entry['tile']} but the binding "
-                                         f"expects h{MAX_HEADS}: codegen and runtime disagree")
+    manifest = library.load("avx2").manifest
+    for symbol in (SYMBOL, WINDOW_SYMBOL):
+        entry = manifest.get(symbol)
+        if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
+            raise library.KernelLibraryError(f"{symbol} was built with tile {entry['tile']} but the binding "
+                                             f"expects h{MAX_HEADS}: codegen and runtime disagree")
 
 
 def _non_negative_int(name, value):
@@ -69,17 +79,32 @@ def _check_disjoint(written_name, written, others):
             raise ValueError(f"{written_name}: overlaps {name} (the kernel writes it while reading {name})")
 
 
-def attention(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
-    """out[i, h] = softmax_j<=pos0+i(scale * q[i, h] . k[kv, j]) @ v[kv, :], kv = h // (n_head // n_kv_head).
+def attention(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None, window=0):
+    """out[i, h] = softmax_j(scale * q[i, h] . k[kv, j]) @ v[kv, j], kv = h // (n_head // n_kv_head),
+    over keys j <= pos0 + i, and j > pos0 + i - window when window > 0 (sliding window).
 
     q, out: f32 [m, n_head, head_dim]; k_cache, v_cache: f32 [n_kv_head, n_ctx, head_dim]
-    with rows 0 .. pos0+m-1 valid; scratch from ``attention_scratch(n_ctx, ...)``;
-    heads=(h0, h1) computes only query heads h0..h1-1 (out's other heads are untouched)."""
-    symbol, args = attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads)
+    with rows 0 .. pos0+m-1 valid (rows before a query's window are not read);
+    scratch from ``attention_scratch(n_ctx, ...)``; heads=(h0, h1) computes only
+    query heads h0..h1-1 (out's other heads are untouched); window 0: unlimited."""
+    symbol, args = attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads, window)
     kernel(symbol)(*args)
 
 
-def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
+def _window(window, n_ctx):
+    """The window the kernel gets: 0 (unlimited) or 1 .. n_ctx - 1."""
+    window = _non_negative_int("window", window)
+    if window >= n_ctx:
+        return 0                   # no query of this cache can look further back than n_ctx - 1 rows
+    if n_ctx > MAX_EXACT_WINDOW:
+        raise ValueError(f"window: a window below n_ctx={n_ctx} needs n_ctx <= {MAX_EXACT_WINDOW} "
+                         "(the kernel receives it as a float32)")
+    return window
+
+
+def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None, window=0):
+    """``window`` as in ``attention``; the returned symbol is the windowed kernel unless
+    the window is 0 or >= n_ctx, and its args end with the window (a float)."""
     _check_tile()
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
@@ -94,6 +119,7 @@ def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
     if pos0 + m > n_ctx:
         raise ValueError(f"pos0: pos0 + m = {pos0} + {m} exceeds the cache's n_ctx = {n_ctx}")
     scale = _float32_scale(scale)
+    window = _window(window, n_ctx)
     out_at = checked_address("out", out, F32, q.shape, writable=True)
     scratch_at = checked_address("scratch", scratch, F32, ndim=1, writable=True)
     if scratch.size < scratch_floats(n_ctx):
@@ -104,5 +130,7 @@ def attention_call(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None):
     _check_disjoint("out", out, inputs + [("scratch", scratch)])
     _check_disjoint("scratch", scratch, inputs)
     group = n_head // n_kv_head
-    return SYMBOL, [q_at, k_at, v_at, out_at, scratch_at, m, head_dim, n_head, group, n_ctx, pos0,
-                    h0, h1, scale]
+    args = [q_at, k_at, v_at, out_at, scratch_at, m, head_dim, n_head, group, n_ctx, pos0, h0, h1, scale]
+    if window:
+        return WINDOW_SYMBOL, args + [float(window)]
+    return SYMBOL, args

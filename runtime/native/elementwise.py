@@ -12,7 +12,7 @@ as ints, float arguments as floats) instead of calling: what a plan
 (runtime/plan.py) records. Its split argument restricts the call to one
 thread's share: ``span=(i0, i1)``, an element range of the flattened arrays,
 for the elementwise ops (i0 a multiple of 16, so threads never write the same
-64-byte line); ``rows=(r0, r1)`` for the row-wise ops and RoPE (tokens);
+64-byte line); ``rows=(r0, r1)`` for the row-wise ops, add_bias and RoPE (tokens);
 ``heads=(h0, h1)`` for kv_store (KV heads). The ``_call`` functions are not in
 ``__all__``: the backend namespaces hold the ops only.
 """
@@ -22,7 +22,7 @@ from .. import validate as v
 from ..ref.elementwise import ROPE_STYLES, rope_tables
 from ._lib import address, checked_address, index_range, kernel
 
-__all__ = ["add", "scale", "exp", "silu_mul", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
+__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -133,7 +133,40 @@ def silu_mul_call(gate, up, out, span=None):
     return "llb_silu_mul_f32__avx2", [gate_at + skip, up_at + skip, out_at + skip, i1 - i0]
 
 
+def gelu_mul(gate, up, out):
+    """out = gelu_tanh(gate) * up: GeGLU's GELU (tanh approximation) of gate, times up.
+
+    gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); any finite or
+    infinite gate gives a finite-or-inf result, never NaN (see codegen/elementwise.py)."""
+    symbol, args = gelu_mul_call(gate, up, out)
+    kernel(symbol)(*args)
+
+
+def gelu_mul_call(gate, up, out, span=None):
+    gate_at = checked_address("gate", gate, F32)
+    up_at = checked_address("up", up, F32, gate.shape)
+    out_at = _output("out", out, gate.shape, [("gate", gate), ("up", up)])
+    i0, i1 = _span(span, gate.size)
+    skip = FLOAT_BYTES * i0
+    return "llb_gelu_mul_f32__avx2", [gate_at + skip, up_at + skip, out_at + skip, i1 - i0]
+
+
 # --------------------------------------------------------------------------- row-wise
+
+def add_bias(x, bias, out):
+    """out[i] = x[i] + bias for every row i of x [..., n]; bias is [n]; out may be x."""
+    symbol, args = add_bias_call(x, bias, out)
+    kernel(symbol)(*args)
+
+
+def add_bias_call(x, bias, out, rows=None):
+    x_at, n_rows, n = _rows("x", x)
+    bias_at = checked_address("bias", bias, F32, (n,))
+    out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("bias", bias)])
+    r0, r1 = _row_range(rows, n_rows)
+    skip = FLOAT_BYTES * n * r0
+    return "llb_add_bias_f32__avx2", [x_at + skip, bias_at, out_at + skip, r1 - r0, n]
+
 
 def rmsnorm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for every row i of x [..., d]; w is [d]."""

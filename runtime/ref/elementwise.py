@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import buffers
 
-__all__ = ["add", "scale", "exp", "silu_mul", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
+__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
 
 ROPE_STYLES = ("pairs", "halves")
 
@@ -30,6 +30,33 @@ def silu_mul(gate, up, out):
     g = gate.astype(np.float64)
     with np.errstate(over="ignore"):
         out[...] = g / (1.0 + np.exp(-g)) * up
+
+
+GELU_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
+GELU_COEF_A = 0.044715
+
+
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), in float64.
+
+    Evaluated as x / (1 + exp(-2y)), the same function (0.5 (1 + tanh y) =
+    1 / (1 + e^-2y)): 1 + tanh(y) cancels to 0 in float64 once x < ~-5, the
+    logistic form keeps full relative precision there."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        minus_2y = -2.0 * GELU_SQRT_2_OVER_PI * (x + GELU_COEF_A * x * x * x)
+        result = x / (1.0 + np.exp(minus_2y))
+    return np.where(np.isneginf(x), -0.0, result)        # -inf / inf: the limit is -0
+
+
+def gelu_mul(gate, up, out):
+    """out = gelu_tanh(gate) * up (GeGLU)."""
+    out[...] = gelu_tanh(gate) * up.astype(np.float64)
+
+
+def add_bias(x, bias, out):
+    """out[i] = x[i] + bias for every row i (last axis); out may be x."""
+    np.add(x, bias, out=out, dtype=np.float32)
 
 
 def rmsnorm(x, w, eps, out):

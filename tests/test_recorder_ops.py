@@ -1,0 +1,138 @@
+"""PlanRecorder ops give the same bits as the direct kernel calls they record.
+
+The ops the gemma3 / qwen2 / qwen3 blocks add: scale (the embedding times sqrt(dim)),
+add_bias (Q/K/V biases, in place), rmsnorm per head (Q/K norms on q viewed as
+[m * n_head, head_dim]), gelu_mul (GeGLU) and attention with a sliding window, whose
+pos0 set_pos0 patches. Sizes are large enough that every op is split across the
+threads (the test checks that it was), and odd enough that the splits are uneven.
+"""
+import numpy as np
+import pytest
+
+from helpers import nan_buffer
+from llambda.runtime import buffers, get_backend
+from llambda.runtime.pool import WorkerPool
+from llambda.runtime.recorder import PlanRecorder
+
+N_CTX = 40
+
+
+def random(rng, shape, scale=1.0):
+    return buffers.aligned_copy(rng.standard_normal(shape) * scale, np.float32)
+
+
+def record(n_threads, build):
+    recorder = PlanRecorder(n_threads, N_CTX, get_backend("avx2"))
+    build(recorder)
+    return recorder.finish()
+
+
+def threads_used(plan, op):
+    return int((plan.records["fn"][op] != 0).sum())
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2) as p:
+        yield p
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_elementwise_ops_match_direct_calls(native, n_threads):
+    rng = np.random.default_rng(0)
+    m, n = 9, 1000 + 3                       # 9 rows, 9027 elements: both split across threads
+    x, gate, up = random(rng, (m, n), 30.0), random(rng, (m, n), 4.0), random(rng, (m, n))
+    bias = random(rng, n)
+    scaled, biased, gelu = nan_buffer((m, n)), buffers.aligned_copy(x), nan_buffer((m, n))
+
+    def build(rec):
+        rec.scale(x, np.sqrt(640.0), scaled)
+        rec.add_bias(biased, bias, biased)               # in place, as the model adds Q/K/V biases
+        rec.gelu_mul(gate, up, gelu)
+
+    recorder = record(n_threads, build)
+    with WorkerPool(n_threads) as own_pool:
+        recorder.plan.run(own_pool)
+    for op in range(3):
+        assert threads_used(recorder.plan, op) == n_threads
+    want_scaled, want_biased, want_gelu = nan_buffer((m, n)), nan_buffer((m, n)), nan_buffer((m, n))
+    native.scale(x, np.sqrt(640.0), want_scaled)
+    native.add_bias(x, bias, want_biased)
+    native.gelu_mul(gate, up, want_gelu)
+    np.testing.assert_array_equal(scaled, want_scaled)
+    np.testing.assert_array_equal(biased, want_biased)
+    np.testing.assert_array_equal(gelu, want_gelu)
+
+
+def test_per_head_rmsnorm_matches_direct_call(native, pool):
+    """q [m, n_head * head_dim] normalised per head in place through a reshaped view."""
+    rng = np.random.default_rng(1)
+    m, n_head, head_dim = 3, 4, 256
+    q = random(rng, (m, n_head * head_dim), 10.0)
+    w = random(rng, head_dim)
+    want = nan_buffer(q.shape)
+    native.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6, want.reshape(m * n_head, head_dim))
+    recorder = record(2, lambda rec: rec.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6,
+                                                 q.reshape(m * n_head, head_dim)))
+    assert threads_used(recorder.plan, 0) == 2           # 12 rows split by rows
+    recorder.plan.run(pool)
+    np.testing.assert_array_equal(q, want)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 16, N_CTX])
+@pytest.mark.parametrize("m", [1, 7])
+def test_windowed_attention_follows_set_pos0(native, pool, window, m):
+    """A plan recorded once at pos0 = 0 gives the direct call's bits at every pos0 set_pos0
+    patches in, windowed or not; the heads split across the threads, Gemma 3 270M's shape
+    (4 query heads on one KV head, head_dim 256)."""
+    rng = np.random.default_rng(2)
+    n_head, n_kv, head_dim = 4, 1, 256
+    k_cache, v_cache = random(rng, (n_kv, N_CTX, head_dim)), random(rng, (n_kv, N_CTX, head_dim))
+    q = random(rng, (m, n_head, head_dim))
+    scale = 256 ** -0.5
+    out = nan_buffer(q.shape)
+    recorder = record(2, lambda rec: rec.attention(q, k_cache, v_cache, 0, scale, out, None, window=window))
+    assert threads_used(recorder.plan, 0) == 2
+    assert recorder.ops[0].window == window               # the profiler costs the op by it
+    scratch = native.attention_scratch(N_CTX)
+    for pos0 in (0, 3, 15, 16, 17, N_CTX - m):
+        recorder.set_pos0(pos0)
+        out[...] = np.nan
+        recorder.plan.run(pool)
+        want = nan_buffer(q.shape)
+        native.attention(q, k_cache, v_cache, pos0, scale, want, scratch, window=window)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_recorded_attention_heads_subset(native, pool):
+    """heads=(h0, h1) records only those heads (split across the threads); the others stay untouched."""
+    rng = np.random.default_rng(3)
+    k_cache, v_cache = random(rng, (2, N_CTX, 64)), random(rng, (2, N_CTX, 64))
+    q = random(rng, (3, 8, 64))
+    out, want = nan_buffer(q.shape), nan_buffer(q.shape)
+    recorder = record(2, lambda rec: rec.attention(q, k_cache, v_cache, 10, 0.125, out, None,
+                                                   heads=(2, 7), window=4))
+    recorder.plan.run(pool)
+    native.attention(q, k_cache, v_cache, 10, 0.125, want, native.attention_scratch(N_CTX), heads=(2, 7),
+                     window=4)
+    np.testing.assert_array_equal(out, want)
+    assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 7:]).all()
+
+
+def test_recorder_ops_validate_before_recording():
+    recorder = PlanRecorder(2, N_CTX, get_backend("avx2"))
+    x, out = buffers.zeros((2, 16)), buffers.zeros((2, 16))
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        recorder.add_bias(x, buffers.zeros(15), out)
+    with pytest.raises(ValueError, match="s: expected a finite number"):
+        recorder.scale(x, float("inf"), out)
+    with pytest.raises(ValueError, match="up: expected shape"):
+        recorder.gelu_mul(x, buffers.zeros(16), out)
+    q = buffers.zeros((1, 4, 8))
+    cache = buffers.zeros((1, N_CTX, 8))
+    with pytest.raises(ValueError, match="window: expected an integer >= 0"):
+        recorder.attention(q, cache, cache, 0, 1.0, buffers.zeros((1, 4, 8)), None, window=-2)
+    with pytest.raises(ValueError, match="heads: expected 0 <= h0 < h1 <= n_head=4"):
+        recorder.attention(q, cache, cache, 0, 1.0, buffers.zeros((1, 4, 8)), None, heads=(3, 5))
+    assert recorder.plan.n_ops == 0
+

@@ -25,7 +25,7 @@ class Model:
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True):
         from llambda.runtime import get_backend
         from . import convert, default_model
-        from .model import LlamaModel
+        from .model import TransformerModel
         from .tokenizer import Tokenizer
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
@@ -45,7 +45,7 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
-        self.net = LlamaModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
+        self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
         self._cached = []            # token ids whose K/V are in the cache, in order
         self.load_s = time.perf_counter() - t0
 

@@ -50,7 +50,7 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
                        sliding_window: int | None = None, sliding_window_pattern: int | None = None,
                        rope_base_swa: float | None = None, logit_softcap: float | None = None,
                        rope_scaling: dict | None = None, rope_freqs: bool = False,
-                       padding_tokens: int = 0, tokenizer_from=None) -> Path:
+                       padding_tokens: int = 0, unlisted_rows: int = 0, tokenizer_from=None) -> Path:
     """Write a random-weight GGUF of architecture ``arch`` to ``path`` and return the path.
 
     Matrices use ``tensor_type`` (any type gguf-py can quantize to: F32, F16, BF16,
@@ -65,7 +65,9 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
     ``rope_scaling``: {"type": "linear"|"yarn", "factor": f, "original_context": n,
     "attn_factor": a} (keys optional but type). ``rope_freqs``: llama's rope_freqs.weight,
     or phi3's rope_factors_long/short (random divisors in about [1, 4]).
-    ``padding_tokens``: the last rows of the vocabulary are ``[PAD<id>]`` tokens.
+    ``padding_tokens``: the last rows of the vocabulary are ``[PAD<id>]`` tokens;
+    ``unlisted_rows``: the embedding has that many rows more than the tokenizer has tokens
+    (llama.cpp refuses such a file; llambda runs it and never produces those ids).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -76,12 +78,15 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
         rope_base = 1_000_000.0 if arch in ("gemma3", "qwen2", "qwen3") else 10000.0
     tokenizer = _copied_tokenizer(tokenizer_from) if tokenizer_from else None
     if tokenizer is not None:
-        vocab_size = tokenizer.vocab_size
+        if padding_tokens:
+            raise ValueError("padding_tokens: not with tokenizer_from (its vocabulary is copied as is)")
+        vocab_size = tokenizer.vocab_size + unlisted_rows
     sizes = dict(n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
                  ffn_dim=ffn_dim, vocab_size=vocab_size)
-    _check(arch, sizes, tensor_type, embed_type, padding_tokens, rope_scaling)
+    _check(arch, sizes, tensor_type, embed_type, padding_tokens + unlisted_rows, rope_scaling)
     if tokenizer is None:
-        tokenizer = _padded(_minimal_tokenizer(vocab_size - padding_tokens), padding_tokens)
+        listed = vocab_size - unlisted_rows
+        tokenizer = _padded(_minimal_tokenizer(listed - padding_tokens), padding_tokens)
 
     plans = _tensor_plans(arch, sizes, tensor_type, embed_type, tied)
     if rope_freqs:
@@ -115,7 +120,7 @@ def _check(arch, sizes, tensor_type, embed_type, padding_tokens, rope_scaling):
     if arch in ("llama", "qwen2", "phi3") and sizes["head_dim"] * sizes["n_head"] != sizes["dim"]:
         raise ValueError(f"{arch}: head_dim * n_head must equal dim ({sizes['dim']})")
     if not 0 <= padding_tokens < sizes["vocab_size"]:
-        raise ValueError(f"padding_tokens must be in [0, vocab_size), got {padding_tokens}")
+        raise ValueError(f"padding_tokens + unlisted_rows must be in [0, vocab_size), got {padding_tokens}")
     if rope_scaling is not None and rope_scaling.get("type") not in ("linear", "yarn"):
         raise ValueError(f"rope_scaling type must be 'linear' or 'yarn', got {rope_scaling.get('type')!r}")
     # A quantized row holds whole blocks: every dot-product length must divide.

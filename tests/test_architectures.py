@@ -314,3 +314,25 @@ def test_synth_rejects_bad_requests(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         write_random_model(tmp_path / "bad.gguf", **{"vocab_size": 300, **overrides})
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ RoPE tables ---
+
+def test_rope_tables_magnitude_and_yarn_ramp(ref):
+    n_ctx, head_dim, base = 64, 16, 10000.0
+    plain_cos, plain_sin = ref.rope_tables(n_ctx, head_dim, base, "halves")
+    cos, sin = ref.rope_tables(n_ctx, head_dim, base, "halves", magnitude=1.5)
+    np.testing.assert_allclose(cos, 1.5 * plain_cos, rtol=1e-6)
+    np.testing.assert_allclose(sin, 1.5 * plain_sin, rtol=1e-6)
+    # YaRN over an original context of 4096: the fastest pairs (more than 32 turns) keep
+    # the unscaled angle (pairs 0-2 here), the slowest (under one turn: 6, 7) are
+    # interpolated like linear scaling, the ones between blend the two
+    scaled_cos, _ = ref.rope_tables(n_ctx, head_dim, base, "halves", freq_scale=0.25)
+    yarn_cos, _ = ref.rope_tables(n_ctx, head_dim, base, "halves", freq_scale=0.25, yarn_orig_ctx=4096)
+    half = head_dim // 2
+    np.testing.assert_allclose(yarn_cos[:, 0], plain_cos[:, 0], atol=1e-6)
+    np.testing.assert_allclose(yarn_cos[:, half - 1], scaled_cos[:, half - 1], atol=1e-6)
+    assert not np.allclose(yarn_cos[:, 4], plain_cos[:, 4]) and not np.allclose(yarn_cos[:, 4], scaled_cos[:, 4])
+    # pass-through lanes of a partial rotation keep cos 1, sin 0 whatever the magnitude
+    cos, sin = ref.rope_tables(n_ctx, head_dim, base, "pairs", n_rot=8, magnitude=2.0)
+    assert (cos[:, 8:] == 1).all() and (sin[:, 8:] == 0).all()

@@ -336,3 +336,31 @@ def test_rope_tables_magnitude_and_yarn_ramp(ref):
     # pass-through lanes of a partial rotation keep cos 1, sin 0 whatever the magnitude
     cos, sin = ref.rope_tables(n_ctx, head_dim, base, "pairs", n_rot=8, magnitude=2.0)
     assert (cos[:, 8:] == 1).all() and (sin[:, 8:] == 0).all()
+
+
+# ------------------------------------------------------------- the reference itself ---
+
+def test_reference_window_hides_keys_at_or_beyond_w_back():
+    from reference_forward import ReferenceConfig, _attention
+    config = ReferenceConfig(n_layer=1, dim=2, n_head=1, n_kv_head=1, head_dim=2, ffn_dim=2,
+                             vocab_size=2, n_ctx=16, rms_eps=1e-5, rope_base=1e4, n_rot=2,
+                             rope_freq_scale=1.0)
+    q = np.zeros((1, 1, 2), np.float32)                      # equal scores: a mean of the visible values
+    keys = np.zeros((6, 1, 2), np.float32)
+    values = np.arange(12, dtype=np.float32).reshape(6, 1, 2)
+    out = _attention(q, keys, values, first_pos=5, config=config, window=3)   # sees keys 3, 4, 5
+    np.testing.assert_allclose(out[0], values[3:6, 0].mean(axis=0), rtol=1e-6)
+
+
+def test_reference_neox_rope_rotates_the_two_halves():
+    from reference_forward import ReferenceConfig, _rope
+    config = ReferenceConfig(n_layer=1, dim=8, n_head=1, n_kv_head=1, head_dim=8, ffn_dim=8,
+                             vocab_size=8, n_ctx=16, rms_eps=1e-5, rope_base=100.0, n_rot=8,
+                             rope_freq_scale=1.0, rope_style="halves")
+    x = np.zeros((1, 1, 8), np.float32)
+    x[0, 0, 1] = 1.0                                       # pair i=1 is (x[1], x[5])
+    rotated = _rope(x, np.array([3]), config, None)[0, 0]
+    angle = 3 * 100.0 ** (-2 / 8)
+    expected = np.zeros(8)
+    expected[1], expected[5] = np.cos(angle), np.sin(angle)
+    np.testing.assert_allclose(rotated, expected, atol=1e-6)

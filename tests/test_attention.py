@@ -336,3 +336,12 @@ def test_attention_rejects_bad_arguments(native):
         call(out=read_only)
     call()                                                  # the process is still fine
     call(window=5)
+
+
+def test_a_window_must_fit_float32():
+    """The windowed kernel receives the window as a float32: exact below 2^24, so a window
+    shorter than a longer cache is refused (windows >= n_ctx need no window at all)."""
+    from llambda.runtime.native.attention import _window
+    assert _window(5, 2 ** 24) == 5 and _window(2 ** 24 + 7, 2 ** 24 + 1) == 0 and _window(0, 2 ** 30) == 0
+    with pytest.raises(ValueError, match="window: a window below n_ctx=16777217 needs n_ctx <= 16777216"):
+        _window(5, 2 ** 24 + 1)

@@ -94,8 +94,8 @@ def attention(q, k_cache, v_cache, pos0, scale, out, scratch, heads=None, window
 def _window(window, n_ctx):
     """The window the kernel gets: 0 (unlimited) or 1 .. n_ctx - 1."""
     window = _non_negative_int("window", window)
-    if window >= n_ctx:
-        return 0                   # no query of this cache can look further back than n_ctx - 1 rows
+    if window == 0 or window >= n_ctx:
+        return 0                   # unlimited, or no query of this cache can look back n_ctx rows
     if n_ctx > MAX_EXACT_WINDOW:
         raise ValueError(f"window: a window below n_ctx={n_ctx} needs n_ctx <= {MAX_EXACT_WINDOW} "
                          "(the kernel receives it as a float32)")

@@ -333,3 +333,17 @@ def test_default_model_failures_leave_nothing(private_cache, monkeypatch, failur
     with pytest.raises(UserError, match=message):
         default_model.gguf_path(progress=False)
     assert list((private_cache / "models").iterdir()) == []
+
+
+def test_tokens_without_embedding_rows_are_refused(tmp_path):
+    tensors = tiny_tensors(vocab=TINY["vocab"] - 5)      # the token list stays TINY["vocab"] long
+    path = write_gguf(tmp_path / "short.gguf", tensors)
+    with pytest.raises(UserError, match=f"{TINY['vocab']} tokens but token_embd.weight only "
+                                        f"{TINY['vocab'] - 5} rows"):
+        convert.convert(path, tmp_path / "short.llb", progress=False)
+
+
+def test_embedding_rows_past_the_tokens_set_the_vocabulary(tmp_path):
+    tensors = tiny_tensors(vocab=TINY["vocab"] + 7)
+    out = convert.convert(write_gguf(tmp_path / "long.gguf", tensors), tmp_path / "long.llb", progress=False)
+    assert convert.load_model_file(out)[0].vocab_size == TINY["vocab"] + 7

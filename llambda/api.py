@@ -9,6 +9,8 @@
 import os
 import time
 
+import numpy as np
+
 from . import generation
 from .errors import UserError
 
@@ -31,7 +33,7 @@ class Model:
                  chat_template=None):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
-        from .model import LlamaModel
+        from .model import TransformerModel
         from .tokenizer import Tokenizer
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
@@ -46,6 +48,8 @@ class Model:
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
         self.tokenizer = Tokenizer.from_gguf_metadata(tokenizer_md)
+        # Ids from n_vocab on have an embedding row but are no token to produce
+        self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
         # a chat_formats.ChatTemplate: .name, .text, .builtin
         self.chat_template = override or chat_formats.template_for_model(tokenizer_md, self.config.arch)
         if n_ctx is None:
@@ -53,7 +57,7 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
-        self.net = LlamaModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
+        self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
         self._cached = []            # token ids whose K/V are in the cache, in order
         self.load_s = time.perf_counter() - t0
 
@@ -81,7 +85,8 @@ class Model:
 
     # -- forward ----------------------------------------------------------------
     def logits(self, ids):
-        """Logits [len(ids), vocab] of every position of ``ids``, from an empty context."""
+        """Logits [len(ids), vocab] of every position of ``ids``, from an empty context: every
+        row of the LM head, padding rows past the vocabulary too (``evaluate`` masks those)."""
         ids = self._check_ids(ids)
         self._cached = []
         out = self.net.forward(ids, 0, all_logits=True)
@@ -89,7 +94,8 @@ class Model:
         return out
 
     def evaluate(self, ids, stats=None):
-        """Logits of the last token of ``ids``, reusing the longest cached prefix.
+        """Logits of the last token of ``ids``, reusing the longest cached prefix; ids from
+        ``n_vocab`` on (embedding rows past the vocabulary) get -inf: never sampled.
 
         Per decoded token this costs O(1) Python work plus one C-speed list
         comparison: only the tokens not yet in the cache are checked."""
@@ -103,6 +109,7 @@ class Model:
         new = self._check_ids(ids[common:])
         self._cached = self._cached[:common]
         logits = self.net.forward(new, common)
+        logits[self.n_vocab:] = -np.inf
         self._cached = ids
         if stats is not None:
             stats.prompt_tokens = len(ids)
@@ -169,6 +176,17 @@ class Model:
         ``.as_dict()``). Empties the KV cache."""
         from .profile import profile_decode
         return profile_decode(self, tokens=tokens, prefill=prefill)
+
+
+def vocabulary_size(tokens, rows):
+    """How many ids, from 0, are tokens the model may produce: those of the tokenizer's
+    tokens that have an embedding row, less the trailing ``[PAD<id>]`` fillers with which
+    converters pad a vocabulary up to the embedding's rows (Qwen: 151,936 rows for
+    about 151,665 tokens)."""
+    n = min(len(tokens), rows) if len(tokens) else rows
+    while n > 1 and tokens[n - 1] == f"[PAD{n - 1}]":
+        n -= 1
+    return n
 
 
 def _common_prefix(a, b):

@@ -28,31 +28,13 @@ import numpy as np
 from llambda.runtime import layouts, paths, weightfile
 from llambda.runtime.layouts import PackedWeight
 
+from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
 
 MODEL_FORMAT = "llambda-model"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2     # 2: per-architecture config (windows, RoPE per layer, scales)
 SUFFIX = ".llb"
-
-# Tensors of a llama block, with their shape as (n, k) for matrices or (n,) for vectors.
-_LAYER_TENSORS = {
-    "attn_norm": lambda c: (c.dim,),
-    "attn_q": lambda c: (c.n_head * c.head_dim, c.dim),
-    "attn_k": lambda c: (c.n_kv_head * c.head_dim, c.dim),
-    "attn_v": lambda c: (c.n_kv_head * c.head_dim, c.dim),
-    "attn_output": lambda c: (c.dim, c.n_head * c.head_dim),
-    "ffn_norm": lambda c: (c.dim,),
-    "ffn_gate": lambda c: (c.ffn_dim, c.dim),
-    "ffn_up": lambda c: (c.ffn_dim, c.dim),
-    "ffn_down": lambda c: (c.dim, c.ffn_dim),
-}
-_MODEL_TENSORS = {
-    "token_embd.weight": lambda c: (c.vocab_size, c.dim),
-    "output_norm.weight": lambda c: (c.dim,),
-}
-_LM_HEAD = "output.weight"
-
 
 # ---------------------------------------------------------------- GGUF -> llambda
 
@@ -65,8 +47,13 @@ def convert(gguf_path, out_path=None, progress=True):
     reader = _read_gguf(gguf_path)
     gguf_metadata = {name: _field_value(field) for name, field in reader.fields.items()
                      if not name.startswith("GGUF.")}
-    tensors = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(gguf_metadata, tied_embeddings=_LM_HEAD not in tensors)
+    gguf_tensors = {t.name: t for t in reader.tensors}
+    embedding = gguf_tensors.get("token_embd.weight")
+    config = ModelConfig.from_gguf_metadata(
+        gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
+        embedding_rows=_shape_nk(embedding)[0] if embedding is not None else None)
+    _check_vocabulary(config, gguf_metadata)
+    tensors = _split_fused(config, gguf_tensors)
     _check_tensors(config, tensors)
 
     arrays, vectors, packed = _repack(tensors, progress)
@@ -111,18 +98,68 @@ def _field_value(field):
         return strings if len(field.types) > 1 else strings[0]
 
 
+class _Rows:
+    """Rows [start, stop) of a GGUF tensor: one part of a fused one (each row of every GGUF
+    type is encoded on its own, so a slice of rows is exactly that part's tensor)."""
+
+    def __init__(self, tensor, start, stop):
+        self.name, self.tensor_type = tensor.name, tensor.tensor_type
+        self.data = tensor.data[start:stop]
+        n, *rest = _shape_nk(tensor)
+        self.shape = tuple(reversed([stop - start, *rest]))     # GGUF order, fastest first
+
+
+def _split_fused(config, gguf_tensors):
+    """{name: tensor} with the architecture's fused tensors (Phi-3's attn_qkv, and ffn_up
+    holding gate and up) replaced by their parts, row ranges of the original."""
+    a = config.architecture
+    tensors = {}
+    for name, tensor in gguf_tensors.items():
+        match = re.fullmatch(r"(blk\.\d+)\.(\w+)\.(weight|bias)", name)
+        if match and match[2] in a.fused:
+            sizes = a.split_sizes(match[2], config)
+            if _shape_nk(tensor)[0] == sum(sizes):
+                start = 0
+                for part, rows in zip(a.fused[match[2]], sizes):
+                    tensors[f"{match[1]}.{part}.{match[3]}"] = _Rows(tensor, start, start + rows)
+                    start += rows
+                continue
+        tensors[name] = tensor
+    return tensors
+
+
+def _check_vocabulary(config, metadata):
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) > config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokens)} tokens but token_embd.weight only "
+                        f"{config.vocab_size} rows")
+
+
 def _check_tensors(config, tensors):
-    expected = {name: shape(config) for name, shape in _MODEL_TENSORS.items()}
+    """Every tensor the architecture needs, each of the shape the config implies; optional
+    ones (biases, RoPE factors) of the right shape when present; nothing else."""
+    a = config.architecture
+    expected = {name: shape(config) for name, shape in MODEL_TENSORS.items()}
+    optional = {}
     for i in range(config.n_layer):
-        expected.update({f"blk.{i}.{part}.weight": shape(config) for part, shape in _LAYER_TENSORS.items()})
+        expected.update({f"blk.{i}.{part}.weight": shape for part, shape in a.layer_tensors(config).items()})
+        optional.update({f"blk.{i}.{part}.bias": shape for part, shape in a.bias_tensors(config).items()})
     if not config.tied_embeddings:
-        expected[_LM_HEAD] = (config.vocab_size, config.dim)
+        expected[LM_HEAD] = (config.vocab_size, config.dim)
+    if a.rope_factors:
+        optional.update({name: (config.rope_dim // 2,) for name in ROPE_FACTOR_TENSORS})
     missing = [name for name in expected if name not in tensors]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise UserError(f"the GGUF lacks tensors the llama architecture needs: {shown}")
-    for name, want in expected.items():
-        got = _shape_nk(tensors[name])
+        raise UserError(f"the GGUF lacks tensors the {config.arch} architecture needs: {shown}")
+    unknown = sorted((name for name in tensors if name not in expected and name not in optional),
+                     key=_natural_key)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise UserError(f"the GGUF has tensors the {config.arch} architecture does not use: {shown}")
+    for name, tensor in tensors.items():
+        want = expected.get(name, optional.get(name))
+        got = _shape_nk(tensor)
         if got != want:
             raise UserError(f"tensor {name} has shape {_fmt_shape(got)}, the config implies {_fmt_shape(want)}")
 

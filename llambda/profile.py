@@ -63,7 +63,7 @@ class PlanRun:
 
 
 class PlanTimer:
-    """Stands in for a model's worker pool (see LlamaModel.profile): runs every
+    """Stands in for a model's worker pool (see TransformerModel.profile): runs every
     plan with stamps and, while ``recording``, keeps a PlanRun of each.
 
     ``describe(plan) -> (m, with_head, ops, pos0)`` says what a plan is. What

@@ -1,19 +1,45 @@
-"""A pure-numpy LLaMA forward pass, written from the math, to check llambda against.
+"""A pure-numpy forward pass of every architecture llambda runs, written from the math.
 
 Nothing here uses llambda: the GGUF is read with the `gguf` package's own
 reader, every tensor is dequantized with `gguf.quants.dequantize`, and the
-graph below is the one llama.cpp runs for GGUF "llama" models:
+graph is the one each model's published description gives (and llama.cpp
+runs for its GGUF architecture name):
 
-    x = token_embd[ids]
+    x = token_embd[ids] * embed_scale                  gemma3: sqrt(dim)
     per layer:
         h = RMSNorm(x) * attn_norm
-        q, k, v = h Wq^T, h Wk^T, h Wv^T          (W stored [out, in])
-        q, k = RoPE(q), RoPE(k)                    (adjacent pairs, see _rope)
-        a = softmax(q k^T / sqrt(head_dim) + causal mask) v    (GQA)
-        x = x + a Wo^T
+        q, k, v = h Wq^T + bq, h Wk^T + bk, h Wv^T + bv    (W stored [out, in]; biases
+                                                       where the file has them: qwen2;
+                                                       phi3 stores [Wq; Wk; Wv] as one matrix)
+        q, k = RMSNorm(q_head) * q_norm, ... k          per head, where the file has
+                                                       attn_q_norm / attn_k_norm (qwen3, gemma3)
+        q, k = RoPE(q), RoPE(k)                        llama: adjacent pairs; the others:
+                                                       the two halves of a head (NeoX)
+        a = softmax(scale q k^T + causal mask [+ window]) v      (GQA)
+        o = a Wo^T
+        x = x + o, or x + RMSNorm(o) * post_attention_norm     (gemma3)
         h = RMSNorm(x) * ffn_norm
-        x = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
+        f = (act(h Wgate^T) * (h Wup^T)) Wdown^T       act: SiLU; gemma3: GELU (tanh form);
+                                                       phi3 stores [Wgate; Wup] as one ffn_up
+        x = x + f, or x + RMSNorm(f) * post_ffw_norm   (gemma3)
     logits = (RMSNorm(x) * output_norm) Wout^T     (Wout = token_embd when tied)
+             then c tanh(logits / c) with a final_logit_softcapping c
+
+Gemma 3 (Gemma 3 technical report; Hugging Face's Gemma3 modeling code):
+RMSNorm multiplies by (1 + w), and GGUF stores 1 + w already, so the plain norm
+above is right for the file's weights. Five of every six layers are local:
+they attend only to the last sliding_window positions (keys p - W < j <= p)
+and rotate with base 10000; every sixth layer (5, 11, ...) is global, with
+rope.freq_base. Queries are scaled by query_pre_attn_scalar^-1/2, which the
+published configs set to head_dim, except the 27B (62 layers): dim / n_head.
+
+RoPE scaling as the metadata declares it: linear divides positions by the
+factor; YaRN (Peng et al. 2023) interpolates only the low frequencies (a ramp
+between the dimensions that turn fewer than beta_slow = 1 and more than
+beta_fast = 32 times over the original context) and scales the rotation's
+magnitude by 1 + 0.1 ln(factor). rope.scaling.attn_factor scales it too.
+Llama 3's rope_freqs and Phi-3's rope_factors_short/long (long when the
+context exceeds the original one) divide the frequencies.
 
 Weights are float32; matmuls run in float32 (BLAS), reductions (RMS, softmax)
 in float64. Use:
@@ -24,6 +50,7 @@ in float64. Use:
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,6 +63,19 @@ __all__ = ["ReferenceConfig", "ReferenceWeights", "ReferenceModel", "reference_l
 
 
 # ----------------------------------------------------------------- config ---
+
+# What each architecture's published description fixes (the rest is in the file).
+_ARCHITECTURES = {
+    "llama": dict(rope_style="pairs", activation="silu"),
+    "qwen2": dict(rope_style="halves", activation="silu"),
+    "qwen3": dict(rope_style="halves", activation="silu"),
+    "phi3": dict(rope_style="halves", activation="silu"),
+    "gemma3": dict(rope_style="halves", activation="gelu", embed_sqrt_dim=True, local_every=6,
+                   local_rope_base=10000.0),
+}
+
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
 
 @dataclass(frozen=True)
 class ReferenceConfig:
@@ -50,43 +90,91 @@ class ReferenceConfig:
     rms_eps: float
     rope_base: float
     n_rot: int               # leading dims of each head that RoPE rotates
-    rope_freq_scale: float   # linear RoPE scaling: positions are multiplied by this
+    rope_freq_scale: float   # positions are multiplied by this (1 / linear factor)
+    arch: str = "llama"
+    rope_style: str = "pairs"        # "pairs": (x[2i], x[2i+1]); "halves": (x[i], x[i + n_rot/2])
+    activation: str = "silu"         # "silu" or "gelu" (tanh approximation)
+    embed_scale: float = 1.0
+    attention_scale: float | None = None          # None: 1 / sqrt(head_dim)
+    windows: tuple | None = None     # per layer: sliding window (0 = global); None: all global
+    layer_rope_base: tuple | None = None          # per layer; None: rope_base everywhere
+    layer_freq_scale: tuple | None = None         # per layer; None: rope_freq_scale everywhere
+    yarn: bool = False
+    rope_orig_ctx: int = 0           # the context YaRN (and Phi-3's long factors) stretch from
+    rope_attn_factor: float = 1.0    # magnitude of the rotation (before YaRN's own)
+    logit_softcap: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def layer_base(self, i):
+        return self.layer_rope_base[i] if self.layer_rope_base else self.rope_base
+
+    def layer_scale(self, i):
+        return self.layer_freq_scale[i] if self.layer_freq_scale else self.rope_freq_scale
+
+    def window(self, i):
+        return self.windows[i] if self.windows else 0
 
 
 def _read_config(reader: gguf.GGUFReader, vocab_size: int) -> ReferenceConfig:
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"the reference runs {', '.join(_ARCHITECTURES)} models, this one is {arch!r}")
+    spec = _ARCHITECTURES[arch]
+
     def value(key, default=None):
-        field = reader.fields.get(key)
+        field = reader.fields.get(f"{arch}.{key}")
         if field is None:
             if default is None:
-                raise ValueError(f"GGUF has no {key!r}")
+                raise ValueError(f"GGUF has no {arch}.{key!r}")
             return default
         return field.contents()
 
-    arch = value("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"the reference runs LLaMA-architecture models, this one is {arch!r}")
-    dim = int(value("llama.embedding_length"))
-    n_head = int(value("llama.attention.head_count"))
-    head_dim = int(value("llama.attention.key_length", dim // n_head))
-    scaling = value("llama.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    dim = int(value("embedding_length"))
+    n_head = int(value("attention.head_count"))
+    n_layer = int(value("block_count"))
+    head_dim = int(value("attention.key_length", dim // n_head))
+    n_ctx = int(value("context_length"))
+    scaling = value("rope.scaling.type", "linear")
+    if scaling not in ("none", "linear", "yarn", "longrope"):
         raise NotImplementedError(f"RoPE scaling {scaling!r} is not in the reference")
-    freq_scale = 1.0
-    if scaling == "linear":
-        freq_scale = 1.0 / float(value("llama.rope.scaling.factor"))
+    factor = float(value("rope.scaling.factor", 0.0))
+    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor
+    rope_base = float(value("rope.freq_base", 10000.0))
+
+    windows, bases, scales = None, None, None
+    window = int(value("attention.sliding_window", 0)) if "local_every" in spec else 0
+    if window > 0:
+        every = int(value("attention.sliding_window_pattern", spec["local_every"]))
+        local = [layer % every != every - 1 for layer in range(n_layer)]
+        windows = tuple(window if is_local else 0 for is_local in local)
+        local_base = float(value("rope.freq_base_swa", spec["local_rope_base"]))
+        bases = tuple(local_base if is_local else rope_base for is_local in local)
+        scales = tuple(1.0 if is_local else freq_scale for is_local in local)
+    attention_scale = None
+    if arch == "gemma3":      # query_pre_attn_scalar ** -0.5, from the published configs
+        attention_scale = (dim / n_head if n_layer == 62 else head_dim) ** -0.5
+    softcap = reader.fields.get(f"{arch}.final_logit_softcapping")
     return ReferenceConfig(
-        n_layer=int(value("llama.block_count")),
-        dim=dim,
-        n_head=n_head,
-        n_kv_head=int(value("llama.attention.head_count_kv", n_head)),
+        n_layer=n_layer, dim=dim, n_head=n_head,
+        n_kv_head=int(value("attention.head_count_kv", n_head)),
         head_dim=head_dim,
-        ffn_dim=int(value("llama.feed_forward_length")),
+        ffn_dim=int(value("feed_forward_length")),
         vocab_size=vocab_size,
-        n_ctx=int(value("llama.context_length")),
-        rms_eps=float(value("llama.attention.layer_norm_rms_epsilon")),
-        rope_base=float(value("llama.rope.freq_base", 10000.0)),
-        n_rot=int(value("llama.rope.dimension_count", head_dim)),
+        n_ctx=n_ctx,
+        rms_eps=float(value("attention.layer_norm_rms_epsilon")),
+        rope_base=rope_base,
+        n_rot=int(value("rope.dimension_count", head_dim)),
         rope_freq_scale=freq_scale,
+        arch=arch, rope_style=spec["rope_style"], activation=spec["activation"],
+        embed_scale=math.sqrt(dim) if spec.get("embed_sqrt_dim") else 1.0,
+        attention_scale=attention_scale, windows=windows, layer_rope_base=bases, layer_freq_scale=scales,
+        yarn=scaling == "yarn" and freq_scale != 1.0,
+        rope_orig_ctx=int(value("rope.scaling.original_context_length", n_ctx)),
+        rope_attn_factor=float(value("rope.scaling.attn_factor", 1.0)),
+        logit_softcap=float(softcap.contents()) if softcap is not None else 0.0,
     )
 
 
@@ -104,6 +192,8 @@ class LayerWeights:
     w_up: np.ndarray        # [ffn_dim, dim]
     w_down: np.ndarray      # [dim, ffn_dim]
     biases: dict            # optional "attn_q" / "attn_k" / "attn_v" / "attn_output" biases
+    norms: dict = None      # optional "attn_q_norm", "attn_k_norm" [head_dim],
+                            # "post_attention_norm", "post_ffw_norm" [dim]
 
 
 @dataclass
@@ -115,6 +205,8 @@ class ReferenceWeights:
     output: np.ndarray              # [vocab, dim]; the same array as token_embd when tied
     tied: bool
     rope_freq_factors: np.ndarray | None   # [n_rot / 2] divisors of RoPE frequencies (Llama 3)
+    rope_factors_long: np.ndarray | None = None    # Phi-3: the divisors beyond the original context
+    rope_factors_short: np.ndarray | None = None   # Phi-3: within it
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +215,8 @@ class ReferenceWeights:
             arrays.append(self.output)
         for layer in self.layers:
             arrays += [layer.attn_norm, layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_norm,
-                       layer.w_gate, layer.w_up, layer.w_down, *layer.biases.values()]
+                       layer.w_gate, layer.w_up, layer.w_down, *layer.biases.values(),
+                       *(layer.norms or {}).values()]
         return sum(array.nbytes for array in arrays)
 
 
@@ -151,27 +244,43 @@ def _read_weights(gguf_path: str) -> ReferenceWeights:
             raise ValueError(f"{gguf_path}: missing tensor {name!r}")
         return _dequantized(tensors[name])
 
+    def optional(name):
+        return _dequantized(tensors[name]) if name in tensors else None
+
     token_embd = get("token_embd.weight")
     config = _read_config(reader, vocab_size=token_embd.shape[0])
+    q_dim, kv_dim = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     layers = []
     for i in range(config.n_layer):
         blk = f"blk.{i}"
         biases = {part: _dequantized(tensors[f"{blk}.{part}.bias"])
                   for part in ("attn_q", "attn_k", "attn_v", "attn_output")
                   if f"{blk}.{part}.bias" in tensors}
+        norms = {part: _dequantized(tensors[f"{blk}.{part}.weight"])
+                 for part in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+                 if f"{blk}.{part}.weight" in tensors}
+        if f"{blk}.attn_qkv.weight" in tensors:     # Phi-3: rows [Wq; Wk; Wv]
+            qkv = get(f"{blk}.attn_qkv.weight")
+            wq, wk, wv = qkv[:q_dim], qkv[q_dim:q_dim + kv_dim], qkv[q_dim + kv_dim:]
+        else:
+            wq, wk, wv = get(f"{blk}.attn_q.weight"), get(f"{blk}.attn_k.weight"), get(f"{blk}.attn_v.weight")
+        w_up = get(f"{blk}.ffn_up.weight")
+        if f"{blk}.ffn_gate.weight" in tensors:
+            w_gate = get(f"{blk}.ffn_gate.weight")
+        else:                                        # Phi-3: ffn_up rows are [Wgate; Wup]
+            w_gate, w_up = w_up[:config.ffn_dim], w_up[config.ffn_dim:]
         layers.append(LayerWeights(
-            attn_norm=get(f"{blk}.attn_norm.weight"),
-            wq=get(f"{blk}.attn_q.weight"), wk=get(f"{blk}.attn_k.weight"),
-            wv=get(f"{blk}.attn_v.weight"), wo=get(f"{blk}.attn_output.weight"),
-            ffn_norm=get(f"{blk}.ffn_norm.weight"),
-            w_gate=get(f"{blk}.ffn_gate.weight"), w_up=get(f"{blk}.ffn_up.weight"),
-            w_down=get(f"{blk}.ffn_down.weight"), biases=biases))
+            attn_norm=get(f"{blk}.attn_norm.weight"), wq=wq, wk=wk, wv=wv,
+            wo=get(f"{blk}.attn_output.weight"), ffn_norm=get(f"{blk}.ffn_norm.weight"),
+            w_gate=w_gate, w_up=w_up, w_down=get(f"{blk}.ffn_down.weight"), biases=biases, norms=norms))
     tied = "output.weight" not in tensors
     weights = ReferenceWeights(
         config=config, token_embd=token_embd, layers=layers,
         output_norm=get("output_norm.weight"),
         output=token_embd if tied else get("output.weight"), tied=tied,
-        rope_freq_factors=get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None)
+        rope_freq_factors=optional("rope_freqs.weight"),
+        rope_factors_long=optional("rope_factors_long.weight"),
+        rope_factors_short=optional("rope_factors_short.weight"))
     _check_shapes(weights)
     return weights
 
@@ -229,27 +338,59 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return (x64 * 0.5 * (1.0 + np.tanh(0.5 * x64))).astype(np.float32)
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, config: ReferenceConfig,
-          freq_factors: np.ndarray | None) -> np.ndarray:
-    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by pos * base^(-2i/n_rot).
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU in its tanh approximation (Hendrycks & Gimpel), as Gemma uses it."""
+    x64 = x.astype(np.float64)
+    inner = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)
+    return (0.5 * x64 * (1.0 + np.tanh(inner))).astype(np.float32)
 
-    This is llama.cpp's "normal" RoPE, which GGUF llama models use: the
-    converters permute the rows of Wq and Wk so that HF's rotate-half pairs
-    (i, i + head_dim/2) land next to each other. Only the first n_rot dims of a
-    head rotate. x: [T, heads, head_dim].
+
+_ACTIVATIONS = {"silu": _silu, "gelu": _gelu_tanh}
+
+
+def _yarn_ramp(config: ReferenceConfig, base: float) -> np.ndarray:
+    """Per rotation pair i, how much of it keeps its unscaled frequency (1) rather than
+    being interpolated (0): 1 below the pair that turns beta_fast times over the original
+    context, 0 above the one that turns beta_slow times, linear between."""
+    def pair_turning(turns):     # the (fractional) pair index whose wavelength fits `turns` times
+        return config.n_rot * math.log(config.rope_orig_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0.0, math.floor(pair_turning(YARN_BETA_FAST)))
+    high = min(config.n_rot - 1.0, math.ceil(pair_turning(YARN_BETA_SLOW)))
+    i = np.arange(config.n_rot // 2, dtype=np.float64)
+    return 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, config: ReferenceConfig,
+          freq_factors: np.ndarray | None, layer: int = 0) -> np.ndarray:
+    """Rotate the first n_rot dims of every head by pos * base^(-2i/n_rot) (per pair i).
+
+    llama: llama.cpp's "normal" RoPE, pairs (x[2i], x[2i+1]) -- the GGUF converter
+    permutes the rows of Wq and Wk so that HF's rotate-half pairs land next to each
+    other. The other architectures rotate (x[i], x[i + n_rot/2]) (NeoX style).
+    x: [T, heads, head_dim].
     """
     half = config.n_rot // 2
-    inv_freq = config.rope_base ** (-2.0 * np.arange(half, dtype=np.float64) / config.n_rot)
+    base, scale = config.layer_base(layer), config.layer_scale(layer)
+    inv_freq = base ** (-2.0 * np.arange(half, dtype=np.float64) / config.n_rot)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)
-    angles = (positions.astype(np.float64) * config.rope_freq_scale)[:, None] * inv_freq[None, :]
-    cos = np.cos(angles)[:, None, :]   # [T, 1, half]: the same for every head
-    sin = np.sin(angles)[:, None, :]
-    even = x[..., 0:config.n_rot:2].astype(np.float64)
-    odd = x[..., 1:config.n_rot:2].astype(np.float64)
+    pos = positions.astype(np.float64)[:, None]
+    angles = pos * scale * inv_freq[None, :]
+    magnitude = config.rope_attn_factor
+    if config.yarn:
+        keep = _yarn_ramp(config, base)
+        angles = angles * (1.0 - keep) + (pos * inv_freq[None, :]) * keep
+        magnitude *= 1.0 + 0.1 * math.log(1.0 / scale)
+    cos = np.cos(angles)[:, None, :] * magnitude   # [T, 1, half]: the same for every head
+    sin = np.sin(angles)[:, None, :] * magnitude
+    if config.rope_style == "pairs":
+        first, second = slice(0, config.n_rot, 2), slice(1, config.n_rot, 2)
+    else:
+        first, second = slice(0, half), slice(half, config.n_rot)
+    a, b = x[..., first].astype(np.float64), x[..., second].astype(np.float64)
     out = x.copy()
-    out[..., 0:config.n_rot:2] = even * cos - odd * sin
-    out[..., 1:config.n_rot:2] = even * sin + odd * cos
+    out[..., first] = a * cos - b * sin
+    out[..., second] = a * sin + b * cos
     return out
 
 
@@ -259,21 +400,25 @@ def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -
 
 
 def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int,
-               config: ReferenceConfig) -> np.ndarray:
+               config: ReferenceConfig, window: int = 0) -> np.ndarray:
     """Causal grouped-query attention of T new queries over all S cached keys.
 
     q: [T, n_head, hd] at positions first_pos .. first_pos+T-1; keys, values:
     [S, n_kv_head, hd] at positions 0 .. S-1. Query head h reads kv head
-    h // (n_head / n_kv_head). Returns [T, n_head * hd].
+    h // (n_head / n_kv_head). With a window W > 0 the query at p sees only keys
+    p - W < j <= p. Returns [T, n_head * hd].
     """
     n_tokens, n_keys = q.shape[0], keys.shape[0]
     group = config.n_head // config.n_kv_head
     keys = np.repeat(keys, group, axis=1)        # [S, n_head, hd]
     values = np.repeat(values, group, axis=1)
-    scores = np.einsum("thd,shd->hts", q, keys, dtype=np.float64) / np.sqrt(config.head_dim)
+    scores = np.einsum("thd,shd->hts", q, keys, dtype=np.float64) * config.scale
     query_pos = first_pos + np.arange(n_tokens)
-    future = np.arange(n_keys)[None, :] > query_pos[:, None]   # [T, S]
-    scores[:, future] = -np.inf
+    key_pos = np.arange(n_keys)[None, :]
+    hidden = key_pos > query_pos[:, None]                      # [T, S]: the future
+    if window > 0:
+        hidden |= key_pos <= query_pos[:, None] - window       # beyond the window
+    scores[:, hidden] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -282,11 +427,19 @@ def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: i
 
 
 class ReferenceModel:
-    """The reference forward with a KV cache: prefill() and step() continue a sequence."""
+    """The reference forward with a KV cache: prefill() and step() continue a sequence.
 
-    def __init__(self, gguf_path):
+    ``n_ctx`` (default: the trained context) only chooses Phi-3's long or short RoPE
+    factors, as llama.cpp does from its context size."""
+
+    def __init__(self, gguf_path, n_ctx=None):
         self.weights = load_reference_weights(gguf_path)
-        self.config = self.weights.config
+        self.config = c = self.weights.config
+        w = self.weights
+        self.freq_factors = w.rope_freq_factors
+        if self.freq_factors is None and w.rope_factors_short is not None:
+            long = (n_ctx or c.n_ctx) > c.rope_orig_ctx
+            self.freq_factors = w.rope_factors_long if long else w.rope_factors_short
         self.reset()
 
     def reset(self) -> None:
@@ -311,16 +464,28 @@ class ReferenceModel:
             raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
         first_pos = self.position
         positions = first_pos + np.arange(ids.size)
-        x = self.weights.token_embd[ids]
+        x = self.weights.token_embd[ids] * np.float32(c.embed_scale)
         for i, layer in enumerate(self.weights.layers):
-            x = x + self._attention_block(i, layer, x, positions, first_pos)
-            x = x + self._ffn_block(layer, x)
+            x = x + self._post_norm(layer, "post_attention_norm",
+                                    self._attention_block(i, layer, x, positions, first_pos))
+            x = x + self._post_norm(layer, "post_ffw_norm", self._ffn_block(layer, x))
         x = _rms_norm(x, self.weights.output_norm, c.rms_eps)
-        return _linear(x, self.weights.output)
+        logits = _linear(x, self.weights.output)
+        if c.logit_softcap > 0:
+            logits = (c.logit_softcap * np.tanh(logits.astype(np.float64) / c.logit_softcap)).astype(np.float32)
+        return logits
 
     def step(self, token_id: int) -> np.ndarray:
         """One decode step: the logits [vocab] of `token_id` at the next position."""
         return self.prefill([token_id])[0]
+
+    def _post_norm(self, layer, name, out):
+        norms = layer.norms or {}
+        return _rms_norm(out, norms[name], self.config.rms_eps) if name in norms else out
+
+    def _head_norm(self, layer, name, heads):
+        norms = layer.norms or {}
+        return _rms_norm(heads, norms[name], self.config.rms_eps) if name in norms else heads
 
     def _attention_block(self, i, layer, x, positions, first_pos):
         c = self.config
@@ -329,18 +494,19 @@ class ReferenceModel:
         q = _linear(h, layer.wq, layer.biases.get("attn_q")).reshape(n_tokens, c.n_head, c.head_dim)
         k = _linear(h, layer.wk, layer.biases.get("attn_k")).reshape(n_tokens, c.n_kv_head, c.head_dim)
         v = _linear(h, layer.wv, layer.biases.get("attn_v")).reshape(n_tokens, c.n_kv_head, c.head_dim)
-        q = _rope(q, positions, c, self.weights.rope_freq_factors)
-        k = _rope(k, positions, c, self.weights.rope_freq_factors)
+        q = _rope(self._head_norm(layer, "attn_q_norm", q), positions, c, self.freq_factors, i)
+        k = _rope(self._head_norm(layer, "attn_k_norm", k), positions, c, self.freq_factors, i)
         self._keys[i] = np.concatenate([self._keys[i], k])
         self._values[i] = np.concatenate([self._values[i], v])
-        attended = _attention(q, self._keys[i], self._values[i], first_pos, c)
+        attended = _attention(q, self._keys[i], self._values[i], first_pos, c, c.window(i))
         return _linear(attended, layer.wo, layer.biases.get("attn_output"))
 
     def _ffn_block(self, layer, x):
         h = _rms_norm(x, layer.ffn_norm, self.config.rms_eps)
-        return _linear(_silu(_linear(h, layer.w_gate)) * _linear(h, layer.w_up), layer.w_down)
+        act = _ACTIVATIONS[self.config.activation]
+        return _linear(act(_linear(h, layer.w_gate)) * _linear(h, layer.w_up), layer.w_down)
 
 
-def reference_logits(gguf_path, ids) -> np.ndarray:
+def reference_logits(gguf_path, ids, n_ctx=None) -> np.ndarray:
     """Logits [len(ids), vocab] (float32) of a full causal prefill of `ids` from position 0."""
-    return ReferenceModel(gguf_path).prefill(ids)
+    return ReferenceModel(gguf_path, n_ctx=n_ctx).prefill(ids)

@@ -122,7 +122,10 @@ def test_round_trip_of_a_tiny_model(f32_layouts, tiny_gguf, tmp_path):
     assert config == ModelConfig(arch="llama", n_layer=2, dim=64, n_head=4, n_kv_head=2, head_dim=16,
                                  ffn_dim=96, vocab_size=TINY["vocab"], n_ctx_train=256,
                                  rms_eps=np.float32(1e-5).item(), rope_base=10000.0, rope_style="pairs",
-                                 rope_dim=16, tied_embeddings=True)
+                                 rope_dim=16, tied_embeddings=True, rope_scaling="none",
+                                 rope_orig_ctx=256, rope_attn_factor=1.0, layer_window=(0, 0),
+                                 layer_rope_base=(10000.0, 10000.0), layer_rope_scale=(1.0, 1.0),
+                                 embed_scale=1.0, att_scale=0.25, logit_softcap=0.0)
     reader = gguf.GGUFReader(gguf_path)
     for key in TOKENIZER_KEYS:       # verbatim, under the full GGUF key
         assert tokenizer[key] == reader.fields[key].contents(), key
@@ -330,3 +333,17 @@ def test_default_model_failures_leave_nothing(private_cache, monkeypatch, failur
     with pytest.raises(UserError, match=message):
         default_model.gguf_path(progress=False)
     assert list((private_cache / "models").iterdir()) == []
+
+
+def test_tokens_without_embedding_rows_are_refused(tmp_path):
+    tensors = tiny_tensors(vocab=TINY["vocab"] - 5)      # the token list stays TINY["vocab"] long
+    path = write_gguf(tmp_path / "short.gguf", tensors)
+    with pytest.raises(UserError, match=f"{TINY['vocab']} tokens but token_embd.weight only "
+                                        f"{TINY['vocab'] - 5} rows"):
+        convert.convert(path, tmp_path / "short.llb", progress=False)
+
+
+def test_embedding_rows_past_the_tokens_set_the_vocabulary(tmp_path):
+    tensors = tiny_tensors(vocab=TINY["vocab"] + 7)
+    out = convert.convert(write_gguf(tmp_path / "long.gguf", tensors), tmp_path / "long.llb", progress=False)
+    assert convert.load_model_file(out)[0].vocab_size == TINY["vocab"] + 7

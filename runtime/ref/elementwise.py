@@ -73,12 +73,22 @@ def softmax(x, out):
     out[...] = e / e.sum(axis=-1, keepdims=True)
 
 
-def rope_tables(n_ctx, head_dim, base, style, *, n_rot=None, freq_scale=1.0, freq_factors=None):
+def rope_tables(n_ctx, head_dim, base, style, *, n_rot=None, freq_scale=1.0, freq_factors=None,
+                magnitude=1.0, yarn_orig_ctx=0, yarn_beta_fast=32.0, yarn_beta_slow=1.0):
     """cos, sin tables [n_ctx, head_dim] (f32, aligned) for ``rope`` in ``style``.
 
     Rotation i turns by theta_i = pos * freq_scale * base^(-2i/n_rot) / freq_factors[i]
     (n_rot defaults to head_dim; freq_scale is linear RoPE scaling; freq_factors,
-    [n_rot/2], are Llama 3's per-frequency divisors). The tables carry the signs
+    [n_rot/2], are Llama 3's per-frequency divisors). Rotated lanes are scaled by
+    ``magnitude`` (RoPE scaling's attention factor).
+
+    With ``yarn_orig_ctx`` > 0, YaRN: rotation i blends the scaled angle with the
+    unscaled one, theta_i = scaled (1 - r_i) + unscaled r_i, where the ramp r_i is 1
+    for the pairs that turn more than yarn_beta_fast times over yarn_orig_ctx
+    positions, 0 for those turning fewer than yarn_beta_slow times, linear between
+    (llama.cpp's corrected dimensions: the bounds floored/ceiled to whole pairs).
+    YaRN's own magnitude (1 + 0.1 ln(1/freq_scale)) is left to the caller's
+    ``magnitude``. The tables carry the signs
     so that rope is out = x*cos + partner(x)*sin in both styles:
       pairs  (llama.cpp / GGUF LLaMA): x[2i] with x[2i+1];
              cos = [c0, c0, c1, c1, ...], sin = [-s0, s0, -s1, s1, ...]
@@ -101,8 +111,12 @@ def rope_tables(n_ctx, head_dim, base, style, *, n_rot=None, freq_scale=1.0, fre
         if freq_factors.shape != (half,):
             raise ValueError(f"freq_factors: expected shape ({half},), got {freq_factors.shape}")
         inv_freq = inv_freq / freq_factors
-    theta = (np.arange(n_ctx, dtype=np.float64) * float(freq_scale))[:, None] * inv_freq[None, :]
-    c, s = np.cos(theta), np.sin(theta)
+    positions = np.arange(n_ctx, dtype=np.float64)[:, None]
+    theta = positions * float(freq_scale) * inv_freq[None, :]
+    if yarn_orig_ctx > 0:
+        ramp = _yarn_ramp(n_rot, float(base), yarn_orig_ctx, yarn_beta_fast, yarn_beta_slow)
+        theta = theta * (1.0 - ramp) + positions * inv_freq[None, :] * ramp
+    c, s = np.cos(theta) * magnitude, np.sin(theta) * magnitude
     cos, sin = np.ones((n_ctx, head_dim)), np.zeros((n_ctx, head_dim))
     if style == "pairs":
         cos[:, :n_rot] = np.repeat(c, 2, axis=1)
@@ -111,6 +125,16 @@ def rope_tables(n_ctx, head_dim, base, style, *, n_rot=None, freq_scale=1.0, fre
         cos[:] = np.concatenate([c, c], axis=1)
         sin[:] = np.concatenate([-s, s], axis=1)
     return buffers.aligned_copy(cos, np.float32), buffers.aligned_copy(sin, np.float32)
+
+
+def _yarn_ramp(n_rot, base, orig_ctx, beta_fast, beta_slow):
+    """Per rotation pair, 1 where YaRN keeps the unscaled angle, 0 where it interpolates."""
+    def pair_turning(turns):      # the (fractional) pair whose wavelength fits `turns` times in orig_ctx
+        return n_rot * np.log(orig_ctx / (turns * 2.0 * np.pi)) / (2.0 * np.log(base))
+    low = max(0.0, np.floor(pair_turning(beta_fast)))
+    high = min(n_rot - 1.0, np.ceil(pair_turning(beta_slow)))
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    return 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
 
 
 def rope_partner(x, style):

@@ -14,6 +14,7 @@ for and what the test fixtures are recorded from. The merge loops themselves run
 in HF `tokenizers` (Rust); this module decides what each call gets to see.
 """
 import codecs
+import re
 from enum import IntEnum
 
 from tokenizers import Regex
@@ -46,22 +47,62 @@ _LLAMA3_WORDS = (_CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_WORDS = (_CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen 3.5 keeps combining marks with the letters they modify.
+_QWEN35_WORDS = (_CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# Each entry: the regexes applied one after another; every regex splits the
-# pieces the previous one left, keeping both its matches and the text between
-# them as pieces (so SmolLM first isolates every digit, then splits words).
-_PRE_TOKENIZER_REGEXES = {
-    "smollm": (r"\p{N}", _GPT2_WORDS),
-    "gpt2": (_GPT2_WORDS,),
-    "llama3": (_LLAMA3_WORDS,),
-    "qwen2": (_QWEN2_WORDS,),
+# DeepSeek's pre-tokenizers spell their letter, punctuation and CJK classes as
+# explicit code point ranges (the values their tokenizer.json lists).
+_DEEPSEEK_LETTERS = (
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-Ί"
+    "ΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷ"
+    "ᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌ"
+    "ῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿ"
+    "ⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆ"
+    "ﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃")
+_DEEPSEEK_CJK = "[一-龥ࠀ-一가-퟿]+"
+
+
+class _PreTokenizer:
+    """How a vocabulary cuts text into words before merging.
+
+    regexes: applied one after another; every regex splits the pieces the
+    previous one left, keeping both its matches and the text between them as
+    pieces (so SmolLM first isolates every digit, then splits words).
+    whole_words_first: a word that is itself a token is taken whole, unmerged
+    (Llama 3's vocabulary holds words its merges cannot reach).
+    adds_bos: llama.cpp adds BOS unless the file says otherwise.
+    """
+
+    def __init__(self, *regexes, whole_words_first=False, adds_bos=False):
+        self.regexes = regexes
+        self.whole_words_first = whole_words_first
+        self.adds_bos = adds_bos
+
+
+_PRE_TOKENIZERS = {
+    "smollm": _PreTokenizer(r"\p{N}", _GPT2_WORDS),
+    "gpt2": _PreTokenizer(_GPT2_WORDS),
+    "llama3": _PreTokenizer(_LLAMA3_WORDS, whole_words_first=True, adds_bos=True),
+    "qwen2": _PreTokenizer(_QWEN2_WORDS),
+    "qwen35": _PreTokenizer(_QWEN35_WORDS),
+    "deepseek-llm": _PreTokenizer(r"[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+",
+                                  r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+\z", _DEEPSEEK_CJK,
+                                  r"\p{N}+"),
+    "deepseek-coder": _PreTokenizer(r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK,
+                                    r"\p{N}"),
+    "falcon": _PreTokenizer(r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_WORDS, r"[0-9][0-9][0-9]"),
 }
 
-# GGUF `tokenizer.ggml.pre` values (as llama.cpp's converter writes them) -> regex set.
+# GGUF `tokenizer.ggml.pre` values (as llama.cpp's converter writes them) -> pre-tokenizer.
 _PRE_TOKENIZER_NAMES = {
     "smollm": "smollm",
     "starcoder": "smollm",
     "refact": "smollm",
+    "command-r": "smollm",
+    "codeshell": "smollm",
+    "exaone": "smollm",
+    "minerva-7b": "smollm",
     "gpt2": "gpt2",
     "gpt-2": "gpt2",
     "phi-2": "gpt2",
@@ -70,17 +111,17 @@ _PRE_TOKENIZER_NAMES = {
     "llama3": "llama3",
     "llama-v3": "llama3",
     "llama-bpe": "llama3",
+    "falcon3": "llama3",
     "dbrx": "llama3",
     "smaug-bpe": "llama3",
     "qwen2": "qwen2",
     "deepseek-r1-qwen": "qwen2",
     "stablelm2": "qwen2",
+    "qwen35": "qwen35",
+    "deepseek-llm": "deepseek-llm",
+    "deepseek-coder": "deepseek-coder",
+    "falcon": "falcon",
 }
-
-# Llama 3's vocabulary holds whole words that its merges cannot reach; its
-# tokenizer looks a piece up as a whole before merging, and llama.cpp adds BOS.
-_WHOLE_WORD_FIRST = {"llama3"}
-_ADDS_BOS_BY_DEFAULT = {"llama3"}
 
 
 def byte_level_alphabet():
@@ -99,6 +140,8 @@ def byte_level_alphabet():
             moved += 1
     return byte_to_char
 
+
+_LINES_AND_NEWLINES = re.compile(r"[^\n]+|\n+")
 
 _CHAR_TO_BYTE = str.maketrans({char: chr(b) for b, char in byte_level_alphabet().items()})
 
@@ -157,15 +200,22 @@ def _vocab_dict(tokens):
     return {text: token_id for token_id, text in enumerate(tokens)}
 
 
-def _byte_level_bpe_engine(tokens, merges, regex_set):
+def _byte_level_bpe_engine(tokens, merges, pre):
     model = models.BPE(vocab=_vocab_dict(tokens), merges=[_split_merge(m) for m in merges],
-                       ignore_merges=regex_set in _WHOLE_WORD_FIRST)
+                       ignore_merges=pre.whole_words_first)
     engine = _HfTokenizer(model)
-    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-              for pattern in _PRE_TOKENIZER_REGEXES[regex_set]]
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in pre.regexes]
     engine.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return engine
+
+
+def _raw_bpe_engine(tokens, merges):
+    """Gemma 4: BPE over the text's own characters ("▁" for space, no byte-level
+    stand-ins), unknown characters spelled as <0xXX> byte tokens."""
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=[_split_merge(m) for m in merges],
+                       byte_fallback=True)
+    return _HfTokenizer(model)
 
 
 def _sentencepiece_merges(tokens, scores):
@@ -193,28 +243,43 @@ def _sentencepiece_engine(tokens, scores, unknown_id):
     return _HfTokenizer(model)
 
 
+def _pre_tokenizer(md):
+    if "tokenizer.ggml.pre" not in md:
+        raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
+                        "it predates them: convert the model again with a current llama.cpp")
+    name = md["tokenizer.ggml.pre"]
+    pre = _PRE_TOKENIZER_NAMES.get(name)
+    if pre is None:
+        known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
+        raise UserError(f"unsupported pre-tokenizer '{name}' (tokenizer.ggml.pre); "
+                        f"supported: {known}")
+    return _PRE_TOKENIZERS[pre]
+
+
+_SUPPORTED_MODELS = ("gpt2 (byte-level BPE), llama (SentencePiece), "
+                     "gemma4 (BPE over characters)")
+
+
 def _engine_for(kind, md, tokens):
     """(merge engine, adds BOS unless told, prefixes a space) for a vocabulary kind."""
     if kind == "gpt2":
-        if "tokenizer.ggml.pre" not in md:
-            raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
-                            "it predates them: convert the model again with a current llama.cpp")
-        pre = md["tokenizer.ggml.pre"]
-        regex_set = _PRE_TOKENIZER_NAMES.get(pre)
-        if regex_set is None:
-            known = ", ".join(sorted(_PRE_TOKENIZER_NAMES))
-            raise UserError(f"unsupported pre-tokenizer '{pre}' (tokenizer.ggml.pre); "
-                            f"supported: {known}")
+        pre = _pre_tokenizer(md)
         merges = _required(md, "tokenizer.ggml.merges")
-        engine = _byte_level_bpe_engine(tokens, merges, regex_set)
-        return engine, regex_set in _ADDS_BOS_BY_DEFAULT, False
+        return _byte_level_bpe_engine(tokens, merges, pre), pre.adds_bos, False
     if kind == "llama":
         scores = [float(s) for s in _required(md, "tokenizer.ggml.scores")]
         unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
         engine = _sentencepiece_engine(tokens, scores, unknown_id)
         return engine, True, bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    if kind == "gemma4":
+        merges = _required(md, "tokenizer.ggml.merges")
+        return _raw_bpe_engine(tokens, merges), True, False
+    if kind in ("bert", "t5"):
+        raise UserError(f"tokenizer model '{kind}' (tokenizer.ggml.model) belongs to an "
+                        "embedding or encoder model, which llambda does not run; "
+                        f"supported: {_SUPPORTED_MODELS}")
     raise UserError(f"unsupported tokenizer model '{kind}' (tokenizer.ggml.model); "
-                    "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+                    f"supported: {_SUPPORTED_MODELS}")
 
 
 def _end_of_generation_ids(md, tokens):
@@ -282,7 +347,7 @@ class Tokenizer:
             return b""
         if kind == TokenType.BYTE:
             return bytes([int(text[3:-1], 16)])
-        if self._kind == "llama":
+        if self._kind in ("llama", "gemma4"):
             return text.replace("▁", " ").encode("utf-8")
         stand_ins = text.translate(_CHAR_TO_BYTE)
         try:
@@ -385,7 +450,21 @@ class Tokenizer:
             if self._add_space_prefix and after_special:
                 fragment = " " + fragment
             fragment = fragment.replace(" ", "▁")
+        elif self._kind == "gemma4":
+            return self._encode_lines(fragment.replace(" ", "▁"))
         return self._engine.encode(fragment, add_special_tokens=False).ids
+
+    def _encode_lines(self, fragment):
+        """Gemma 4 merges each line and each run of newlines on its own; a run of
+        newlines that is a token is taken whole, as llama.cpp does."""
+        ids = []
+        for piece in _LINES_AND_NEWLINES.findall(fragment):
+            whole = self._engine.token_to_id(piece) if piece[0] == "\n" else None
+            if whole is not None:
+                ids.append(whole)
+            else:
+                ids.extend(self._engine.encode(piece, add_special_tokens=False).ids)
+        return ids
 
     # -- decoding ------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """GGUF -> llambda model file, and loading that file back as weights.
 
-A GGUF is read once (with the ``gguf`` package), its matrices repacked into
+A GGUF is read once (its tables by llambda/gguf_file.py, which decodes the
+vocabulary only after the tensor types have passed), its matrices repacked into
 the layouts the kernels read (runtime/layouts.py), and everything written to
 one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
 
@@ -30,6 +31,7 @@ from llambda.runtime.layouts import PackedWeight
 
 from .config import ModelConfig
 from .errors import UserError
+from .gguf_file import GGUFFile
 
 MODEL_FORMAT = "llambda-model"
 SCHEMA_VERSION = 1
@@ -62,10 +64,12 @@ def convert(gguf_path, out_path=None, progress=True):
     out_path = Path(out_path) if out_path is not None else gguf_path.with_suffix(SUFFIX)
     if out_path.resolve() == gguf_path.resolve():
         raise UserError(f"{out_path}: the output would overwrite the GGUF it is converted from")
-    reader = _read_gguf(gguf_path)
-    gguf_metadata = {name: _field_value(field) for name, field in reader.fields.items()
-                     if not name.startswith("GGUF.")}
-    tensors = {t.name: t for t in reader.tensors}
+    gguf_file = _read_gguf(gguf_path)
+    # The tensor table first: a file llambda cannot load is refused before its
+    # vocabulary (hundreds of thousands of strings) is decoded.
+    tensors = {t.name: t for t in gguf_file.tensors}
+    _check_tensor_types(tensors)
+    gguf_metadata = gguf_file.metadata()
     config = ModelConfig.from_gguf_metadata(gguf_metadata, tied_embeddings=_LM_HEAD not in tensors)
     _check_tensors(config, tensors)
 
@@ -88,27 +92,22 @@ def convert(gguf_path, out_path=None, progress=True):
 
 
 def _read_gguf(path):
-    import gguf   # conversion-time only: loading a converted file does not need it
     kind = _sniff(path)
     if kind == "llambda":
         raise UserError(f"{path}: already a llambda file, nothing to convert")
     if kind != "gguf":
         raise UserError(f"{path}: not a GGUF file")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:    # the reader raises a variety of errors on damaged files
-        raise UserError(f"{path}: cannot read this GGUF ({type(e).__name__}: {e})") from None
+    return GGUFFile(path)
 
 
-def _field_value(field):
-    """A GGUF key's value as plain JSON-able Python (strings, numbers, bools, lists)."""
-    try:
-        return field.contents()
-    except UnicodeDecodeError:
-        # A string that is not valid UTF-8 (some vocabularies hold raw byte tokens):
-        # keep its bytes recoverable as surrogate escapes instead of failing.
-        strings = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-        return strings if len(field.types) > 1 else strings[0]
+def _check_tensor_types(tensors):
+    """Every matrix in a type llambda can repack (vectors are dequantized to f32 whatever their type)."""
+    supported = layouts.supported_types()
+    for name, tensor in tensors.items():
+        type_name = tensor.tensor_type.name
+        if len(tensor.shape) >= 2 and type_name not in supported:
+            raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
+                            f"(supported: {', '.join(supported)})")
 
 
 def _check_tensors(config, tensors):

@@ -179,6 +179,29 @@ def test_unsupported_tensor_type(f32_layouts, tmp_path):
         convert.convert(path, progress=False)
 
 
+def test_iq_tensor_is_refused_from_the_tensor_table_before_the_vocabulary(f32_layouts, tmp_path,
+                                                                          monkeypatch):
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    tensors = tiny_tensors()
+    n, k = tensors["blk.0.attn_q.weight"].shape
+    tensors["blk.0.attn_q.weight"] = np.zeros((n, k // block * block_bytes), np.uint8)
+    path = write_gguf(tmp_path / "m.gguf", tensors, raw_types={"blk.0.attn_q.weight": qtype})
+    from llambda.gguf_file import GGUFFile
+
+    def no_vocabulary(self, key, default=None):
+        assert not key.startswith("tokenizer."), f"{key} decoded before the tensor types were checked"
+        return real_value(self, key, default)
+    real_value = GGUFFile.value
+    monkeypatch.setattr(GGUFFile, "value", no_vocabulary)
+    with pytest.raises(UserError) as refused:
+        convert.convert(path, progress=False)
+    message = str(refused.value)
+    assert "blk.0.attn_q.weight" in message and "IQ4_NL" in message
+    assert f"supported: {', '.join(layouts.supported_types())}" in message
+    assert not (tmp_path / "m.llb").exists()
+
+
 def test_missing_tensors_are_named(f32_layouts, tmp_path):
     tensors = tiny_tensors()
     del tensors["blk.1.attn_k.weight"], tensors["output_norm.weight"]

@@ -252,6 +252,18 @@ def load_model_file(path):
     return ModelConfig.from_dict(metadata["config"]), metadata["tokenizer"], weights
 
 
+def tokenizer_metadata(path):
+    """The ``tokenizer.*`` keys of a model file: any GGUF (vocabulary-only ones too),
+    read without touching tensor data, or a llambda file's header."""
+    path = Path(path)
+    kind = _sniff(path)
+    if kind == "gguf":
+        return GGUFFile(path).metadata(lambda key: key.startswith("tokenizer."))
+    if kind == "llambda":
+        return _model_metadata(_open(path))["tokenizer"]
+    raise UserError(f"{path}: neither a GGUF nor a llambda model file")
+
+
 def _open(path):
     try:
         return weightfile.open_weights(path)

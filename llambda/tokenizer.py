@@ -14,9 +14,13 @@ for and what the test fixtures are recorded from. The merge loops themselves run
 in HF `tokenizers` (Rust); this module decides what each call gets to see.
 """
 import codecs
+import hashlib
+import os
 import re
+import tempfile
 from enum import IntEnum
 
+import numpy as np
 from tokenizers import Regex
 from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import models, pre_tokenizers
@@ -223,16 +227,70 @@ def _sentencepiece_merges(tokens, scores):
 
     Every way of cutting a token into two tokens is a merge; merges that make a
     higher-scoring token come first, which is the order SentencePiece applies them.
+    Deriving them is the slow part of loading a large vocabulary (every cut of
+    every token is a lookup), so the result is kept in the user cache, keyed by
+    the vocabulary's texts and scores.
     """
+    key = _vocabulary_digest(tokens, scores)
+    pairs = _load_cached_pairs(key, len(tokens))
+    if pairs is None:
+        pairs = _derive_sentencepiece_pairs(tokens, scores)
+        _store_cached_pairs(key, pairs)
+    text_of = tokens.__getitem__
+    return list(zip(map(text_of, pairs[:, 0].tolist()), map(text_of, pairs[:, 1].tolist())))
+
+
+def _derive_sentencepiece_pairs(tokens, scores):
+    """[n_merges, 2] int32 (left id, right id), best merge first."""
     ids = _vocab_dict(tokens)
+    scores = scores.tolist()
     ranked = []
     for text, token_id in ids.items():
         for cut in range(1, len(text)):
             left, right = text[:cut], text[cut:]
             if left in ids and right in ids:
-                ranked.append((-scores[token_id], token_id, left, right))
+                ranked.append((-scores[token_id], token_id, ids[left], ids[right]))
     ranked.sort()
-    return [(left, right) for _, _, left, right in ranked]
+    return np.array([(left, right) for _, _, left, right in ranked], dtype=np.int32).reshape(-1, 2)
+
+
+# Bump when the derivation changes: old cache entries are then never read.
+_MERGE_CACHE_VERSION = 1
+
+
+def _vocabulary_digest(tokens, scores):
+    digest = hashlib.sha256(f"sentencepiece merges v{_MERGE_CACHE_VERSION}\0".encode())
+    digest.update("\0".join(tokens).encode("utf-8", "surrogateescape"))
+    digest.update(scores.tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _merge_cache_path(key):
+    from llambda.runtime import paths
+    return paths.cache_dir() / "tokenizers" / f"spm-merges-{key}.npy"
+
+
+def _load_cached_pairs(key, n_tokens):
+    try:
+        pairs = np.load(_merge_cache_path(key), allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if pairs.dtype != np.int32 or pairs.ndim != 2 or pairs.shape[1] != 2 or \
+            (pairs.size and not (0 <= pairs.min() and pairs.max() < n_tokens)):
+        return None          # damaged: derive again
+    return pairs
+
+
+def _store_cached_pairs(key, pairs):
+    """Best effort: an unwritable cache only costs the next load the derivation again."""
+    path = _merge_cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            np.save(f, pairs, allow_pickle=False)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def _sentencepiece_engine(tokens, scores, unknown_id):
@@ -267,7 +325,10 @@ def _engine_for(kind, md, tokens):
         merges = _required(md, "tokenizer.ggml.merges")
         return _byte_level_bpe_engine(tokens, merges, pre), pre.adds_bos, False
     if kind == "llama":
-        scores = [float(s) for s in _required(md, "tokenizer.ggml.scores")]
+        scores = np.asarray(_required(md, "tokenizer.ggml.scores"), dtype=np.float32)
+        if scores.shape != (len(tokens),):
+            raise UserError(f"the model's tokenizer is inconsistent: {scores.size} scores "
+                            f"for {len(tokens)} tokens")
         unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
         engine = _sentencepiece_engine(tokens, scores, unknown_id)
         return engine, True, bool(md.get("tokenizer.ggml.add_space_prefix", True))
@@ -312,7 +373,7 @@ class Tokenizer:
         self._add_bos = add_bos and bos_id is not None
         self._add_eos = add_eos and eos_id is not None
         self._add_space_prefix = add_space_prefix
-        self._piece_bytes = [self._bytes_of(token_id) for token_id in range(len(tokens))]
+        self._piece_bytes = [None] * len(tokens)     # filled as tokens are decoded
         self._special_texts = self._texts_split_before_merging()
 
     # -- construction --------------------------------------------------------
@@ -337,6 +398,12 @@ class Tokenizer:
                    add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),
                    add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
                    add_space_prefix=add_space_prefix)
+
+    def _piece(self, token_id):
+        piece = self._piece_bytes[token_id]
+        if piece is None:
+            piece = self._piece_bytes[token_id] = self._bytes_of(token_id)
+        return piece
 
     def _bytes_of(self, token_id):
         """What a token contributes to decoded text (control tokens included)."""
@@ -391,7 +458,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id):
         """The bytes the token decodes to."""
-        return self._piece_bytes[self._checked(token_id)]
+        return self._piece(self._checked(token_id))
 
     def is_special(self, token_id):
         """True for control tokens (BOS, EOS, <|im_start|>, ...), which skip_special drops."""
@@ -485,7 +552,7 @@ class Tokenizer:
         special = self.is_special(token_id)
         if skip_special and special:
             return None
-        piece = self._piece_bytes[token_id]
+        piece = self._piece(token_id)
         # SentencePiece encoding put a space before the text; decoding takes it off.
         if is_first and self._add_space_prefix and not special and piece.startswith(b" "):
             piece = piece[1:]

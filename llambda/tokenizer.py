@@ -145,16 +145,43 @@ def byte_level_alphabet():
     return byte_to_char
 
 
-_LINES_AND_NEWLINES = re.compile(r"[^\n]+|\n+")
-
 _CHAR_TO_BYTE = str.maketrans({char: chr(b) for b, char in byte_level_alphabet().items()})
 
-# Tokens that end a turn, recognised by text as llama.cpp does (GGUF files rarely
-# carry an id for them).
+# llama.cpp recognises special tokens by their text (GGUF files rarely carry an
+# id for them) and forces them to control, so that they are only matched in
+# text when special tokens are parsed. These are its lists.
+#
+# Tokens that end generation:
 _END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
 })
+# Fill-in-the-middle markers, by role; the pad, repository and file-separator
+# markers also end generation. A GGUF key naming the role's id replaces the search.
+_FILL_IN_THE_MIDDLE_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+               "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+               "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+               "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_FILL_IN_THE_MIDDLE_ENDS = ("fim_pad", "fim_rep", "fim_sep")
+# End-of-turn tokens named by key or found by text.
+_END_OF_TURN_TEXTS = {
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+            "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+            "<end_of_utterance>"),
+    "eom": ("<|eom_id|>",),
+}
+
+# Gemma 4 merges each line and each run of newlines separately.
+_LINES_AND_NEWLINES = re.compile(r"[^\n]+|\n+")
 
 
 # ---------------------------------------------------------------------------
@@ -343,14 +370,49 @@ def _engine_for(kind, md, tokens):
                     f"supported: {_SUPPORTED_MODELS}")
 
 
-def _end_of_generation_ids(md, tokens):
-    eog_ids = {token_id for token_id, text in enumerate(tokens)
-               if text in _END_OF_GENERATION_TEXTS}
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id"):
-        token_id = _optional_id(md, key, len(tokens))
-        if token_id is not None:
+def _special_tokens(md, tokens, token_types):
+    """The ids that end generation; ``token_types`` is updated where llama.cpp
+    re-types tokens by their text (see the lists above)."""
+    n_tokens = len(tokens)
+    first_id = {}
+    for token_id, text in enumerate(tokens):
+        first_id.setdefault(text, token_id)
+
+    def found(texts):
+        ids = [first_id[text] for text in texts if text in first_id]
+        return min(ids) if ids else None
+
+    def force_control(token_id):
+        if token_types[token_id] != TokenType.CONTROL:
+            token_types[token_id] = TokenType.CONTROL
+
+    eog_ids = set()
+    for role, texts in {**_FILL_IN_THE_MIDDLE_TEXTS, **_END_OF_TURN_TEXTS}.items():
+        token_id = _optional_id(md, f"tokenizer.ggml.{role}_token_id", n_tokens)
+        if token_id is None:
+            token_id = found(texts)
+            if token_id is not None:
+                force_control(token_id)
+        if token_id is not None and role in (*_FILL_IN_THE_MIDDLE_ENDS, "eot", "eom"):
             eog_ids.add(token_id)
+    for token_id, text in enumerate(tokens):
+        if text in _END_OF_GENERATION_TEXTS:
+            eog_ids.add(token_id)
+            force_control(token_id)
+    eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
+    if eos_id is not None:
+        eog_ids.add(eos_id)
+
+    texts = {tokens[token_id]: token_id for token_id in eog_ids}
+    # o200k (gpt-oss) and Solar Open end a message with <|end|> but keep going.
+    calls = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and calls and ("<|return|>" in texts or "<|flush|>" in texts):
+        eog_ids.discard(texts["<|end|>"])
+        token_types[texts["<|end|>"]] = TokenType.USER_DEFINED
+    # Gemma 4 and PLaMo 2 use </s> as ordinary text.
+    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+        eog_ids.discard(texts["</s>"])
+        token_types[texts["</s>"]] = TokenType.NORMAL
     return eog_ids
 
 
@@ -385,14 +447,11 @@ class Tokenizer:
         tokens = [str(t) for t in _required(md, "tokenizer.ggml.tokens")]
         n_tokens = len(tokens)
         token_types = _token_types(md, n_tokens)
-        for token_id, text in enumerate(tokens):
-            if text in _END_OF_GENERATION_TEXTS:  # llama.cpp forces these to control
-                token_types[token_id] = TokenType.CONTROL
+        eog_ids = _special_tokens(md, tokens, token_types)
 
         engine, default_add_bos, add_space_prefix = _engine_for(kind, md, tokens)
         bos_id = _optional_id(md, "tokenizer.ggml.bos_token_id", n_tokens)
         eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
-        eog_ids = _end_of_generation_ids(md, tokens)
         return cls(tokens=tokens, token_types=token_types, engine=engine, kind=kind,
                    bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
                    add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),

@@ -231,9 +231,25 @@ def _vocab_dict(tokens):
     return {text: token_id for token_id, text in enumerate(tokens)}
 
 
+def _bpe_model(tokens, merges, **options):
+    """HF's BPE over the file's merge rules.
+
+    HF refuses a rule whose sides or result are not tokens, which llama.cpp
+    keeps (it can only ever make a piece that is spelled out byte by byte);
+    such rules are left out rather than the vocabulary refused.
+    """
+    vocab = _vocab_dict(tokens)
+    pairs = [_split_merge(m) for m in merges]
+    try:
+        return models.BPE(vocab=vocab, merges=pairs, **options)
+    except Exception:     # tokenizers raises a bare Exception naming the token
+        usable = [(left, right) for left, right in pairs
+                  if left in vocab and right in vocab and left + right in vocab]
+        return models.BPE(vocab=vocab, merges=usable, **options)
+
+
 def _byte_level_bpe_engine(tokens, merges, pre):
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=[_split_merge(m) for m in merges],
-                       ignore_merges=pre.whole_words_first)
+    model = _bpe_model(tokens, merges, ignore_merges=pre.whole_words_first)
     engine = _HfTokenizer(model)
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in pre.regexes]
     engine.pre_tokenizer = pre_tokenizers.Sequence(
@@ -244,8 +260,7 @@ def _byte_level_bpe_engine(tokens, merges, pre):
 def _raw_bpe_engine(tokens, merges):
     """Gemma 4: BPE over the text's own characters ("▁" for space, no byte-level
     stand-ins), unknown characters spelled as <0xXX> byte tokens."""
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=[_split_merge(m) for m in merges],
-                       byte_fallback=True)
+    model = _bpe_model(tokens, merges, byte_fallback=True)
     return _HfTokenizer(model)
 
 

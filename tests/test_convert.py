@@ -353,3 +353,33 @@ def test_default_model_failures_leave_nothing(private_cache, monkeypatch, failur
     with pytest.raises(UserError, match=message):
         default_model.gguf_path(progress=False)
     assert list((private_cache / "models").iterdir()) == []
+
+
+# ---------------------------------------------------------------- load_tokenizer
+
+def test_load_tokenizer_reads_a_gguf_and_its_conversion_alike(f32_layouts, tiny_gguf, tmp_path,
+                                                              monkeypatch):
+    import llambda
+    from llambda.gguf_file import GGUFFile
+    gguf_path, _ = tiny_gguf
+    out = convert.convert(gguf_path, tmp_path / "tiny.llb", progress=False)
+    touched = []
+    monkeypatch.setattr(GGUFFile, "_tensor_data", lambda self, t: touched.append(t.name))
+    from_gguf, from_llb = llambda.load_tokenizer(gguf_path), llambda.load_tokenizer(out)
+    assert touched == []                      # the tokenizer reads no tensor data
+    for text in ["", "t1 a", "ü t1t1 a", "<|im_end|>"]:
+        assert from_gguf.encode(text) == from_llb.encode(text)
+    assert from_gguf.vocab_size == from_llb.vocab_size == TINY["vocab"]
+    ids = list(range(TINY["vocab"]))
+    assert from_gguf.decode(ids) == from_llb.decode(ids)
+    assert from_gguf.decode([TINY["vocab"] - 2]) == " a"      # the vocabulary's "Ġa"
+
+
+def test_load_tokenizer_refuses_what_is_not_a_model(tmp_path):
+    import llambda
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a model at all" * 4)
+    with pytest.raises(UserError, match="junk.bin"):
+        llambda.load_tokenizer(junk)
+    with pytest.raises(UserError, match="no such file"):
+        llambda.load_tokenizer(tmp_path / "absent.gguf")

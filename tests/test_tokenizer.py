@@ -107,6 +107,24 @@ def test_sentencepiece_ids_equal_llama_cpp(spm_tok, spm_recorded, flag):
     assert mismatches(spm_tok, spm_recorded["texts"], expected, flag) == []
 
 
+def test_sentencepiece_merges_are_cached_and_a_damaged_cache_is_rebuilt(spm_recorded, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("LLAMBDA_CACHE_DIR", str(tmp_path))
+    md = sentencepiece_md(spm_recorded)
+    expected = spm_recorded["ids"]["plain"]
+    first = Tokenizer.from_gguf_metadata(md)
+    cached = list((tmp_path / "tokenizers").glob("spm-merges-*.npy"))
+    assert len(cached) == 1
+    assert mismatches(Tokenizer.from_gguf_metadata(md), spm_recorded["texts"], expected, False) == []
+    cached[0].write_bytes(b"damaged")
+    assert mismatches(Tokenizer.from_gguf_metadata(md), spm_recorded["texts"], expected, False) == []
+    assert cached[0].read_bytes() != b"damaged"
+    # Another vocabulary (one score changed) gets its own entry.
+    Tokenizer.from_gguf_metadata(dict(md, **{"tokenizer.ggml.scores": [*md["tokenizer.ggml.scores"][:-1], 5.0]}))
+    assert len(list((tmp_path / "tokenizers").glob("spm-merges-*.npy"))) == 2
+    assert first.vocab_size == len(md["tokenizer.ggml.tokens"])
+
+
 # Gemma 3's real vocabulary (262,144 SentencePiece tokens with byte fallback): too
 # large to commit, so its test runs where the model file is (`llambda fetch
 # gemma3-270m` puts it in the cache; LLAMBDA_GEMMA3_GGUF names another copy).

@@ -210,7 +210,7 @@ def _token_types(md, n_tokens):
     if len(types) != n_tokens:
         raise UserError(f"the model's tokenizer is inconsistent: {len(types)} token types "
                         f"for {n_tokens} tokens")
-    return [int(t) for t in types]
+    return np.asarray(types, dtype=np.int64).tolist()
 
 
 # ---------------------------------------------------------------------------
@@ -389,17 +389,16 @@ def _special_tokens(md, tokens, token_types):
     """The ids that end generation; ``token_types`` is updated where llama.cpp
     re-types tokens by their text (see the lists above)."""
     n_tokens = len(tokens)
-    first_id = {}
+    wanted = _END_OF_GENERATION_TEXTS.union(
+        *_FILL_IN_THE_MIDDLE_TEXTS.values(), *_END_OF_TURN_TEXTS.values())
+    id_of = {}                 # a repeated text means its last id, as in llama.cpp
     for token_id, text in enumerate(tokens):
-        first_id.setdefault(text, token_id)
+        if text in wanted:
+            id_of[text] = token_id
 
     def found(texts):
-        ids = [first_id[text] for text in texts if text in first_id]
+        ids = [id_of[text] for text in texts if text in id_of]
         return min(ids) if ids else None
-
-    def force_control(token_id):
-        if token_types[token_id] != TokenType.CONTROL:
-            token_types[token_id] = TokenType.CONTROL
 
     eog_ids = set()
     for role, texts in {**_FILL_IN_THE_MIDDLE_TEXTS, **_END_OF_TURN_TEXTS}.items():
@@ -407,13 +406,13 @@ def _special_tokens(md, tokens, token_types):
         if token_id is None:
             token_id = found(texts)
             if token_id is not None:
-                force_control(token_id)
+                token_types[token_id] = TokenType.CONTROL
         if token_id is not None and role in (*_FILL_IN_THE_MIDDLE_ENDS, "eot", "eom"):
             eog_ids.add(token_id)
-    for token_id, text in enumerate(tokens):
+    for text, token_id in id_of.items():
         if text in _END_OF_GENERATION_TEXTS:
             eog_ids.add(token_id)
-            force_control(token_id)
+            token_types[token_id] = TokenType.CONTROL
     eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
     if eos_id is not None:
         eog_ids.add(eos_id)
@@ -498,10 +497,10 @@ class Tokenizer:
 
     def _texts_split_before_merging(self):
         """(text, id, is_control) of the tokens matched whole in raw text, longest first."""
-        found = [(text, token_id, self._types[token_id] != TokenType.USER_DEFINED)
-                 for token_id, text in enumerate(self._tokens)
-                 if text and self._types[token_id] in
-                 (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)]
+        whole = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+        candidates = np.flatnonzero(np.isin(np.asarray(self._types), whole)).tolist()
+        found = [(self._tokens[token_id], token_id, self._types[token_id] != TokenType.USER_DEFINED)
+                 for token_id in candidates if self._tokens[token_id]]
         found.sort(key=lambda entry: -len(entry[0].encode("utf-8")))
         return found
 

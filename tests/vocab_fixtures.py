@@ -7,6 +7,9 @@ once into the user cache (``<cache>/vocab/``). ``vocabularies.json`` pins each
 GGUF's sha256.
 
 LLAMBDA_VOCAB_SDIST may name a copy of that sdist (.tar.gz) already on disk.
+Only llama-cpp-python itself is taken as source (``--no-binary llama-cpp-python``):
+with ``:all:`` pip would also build every build dependency from source just to
+read the sdist's metadata, which takes many minutes.
 """
 import hashlib
 import json
@@ -117,7 +120,7 @@ def _sdist():
     if found:
         return found[0]
     with tempfile.TemporaryDirectory(dir=_cache(), prefix=".download-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                    "--disable-pip-version-check", "--quiet", REQUIREMENT, "-d", tmp]
         try:
             result = subprocess.run(command, capture_output=True, text=True)

@@ -249,7 +249,7 @@ def load_model_file(path):
             weights[name] = PackedWeight(entry["kind"], entry["n"], entry["k"], arrays, dict(entry["meta"]))
     except (KeyError, TypeError) as e:
         raise UserError(f"{path}: model metadata does not match its tensors ({e!r}): convert it again") from None
-    return ModelConfig.from_dict(metadata["config"]), metadata["tokenizer"], weights
+    return ModelConfig.from_dict(metadata["config"]), _tokenizer_of(metadata), weights
 
 
 def tokenizer_metadata(path):
@@ -258,10 +258,22 @@ def tokenizer_metadata(path):
     path = Path(path)
     kind = _sniff(path)
     if kind == "gguf":
-        return GGUFFile(path).metadata(lambda key: key.startswith("tokenizer."))
+        return GGUFFile(path).metadata(lambda key: key.startswith("tokenizer.") or key in _TOKENIZER_HINTS)
     if kind == "llambda":
-        return _model_metadata(_open(path))["tokenizer"]
+        return _tokenizer_of(_model_metadata(_open(path)))
     raise UserError(f"{path}: neither a GGUF nor a llambda model file")
+
+
+# Keys outside tokenizer.* that llama.cpp's tokenizer reads (it sets Phi-3's
+# special-token attributes by model name).
+_TOKENIZER_HINTS = ("general.name",)
+
+
+def _tokenizer_of(metadata):
+    tokenizer = dict(metadata["tokenizer"])
+    tokenizer.update({key: metadata["gguf"][key] for key in _TOKENIZER_HINTS
+                      if key in metadata.get("gguf", {})})
+    return tokenizer
 
 
 def _open(path):

@@ -1,17 +1,22 @@
 """Text <-> token ids for the vocabularies that GGUF files carry.
 
-Two vocabulary kinds are supported, named by `tokenizer.ggml.model`:
+Three vocabulary kinds are supported, named by `tokenizer.ggml.model`:
 
-- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen 2, GPT-2). The text is split by
-  the pre-tokenizer regexes that `tokenizer.ggml.pre` names, each piece is mapped
-  byte by byte onto printable stand-in characters, and the merges are applied.
-- "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral). Spaces become
-  "▁", a space is prefixed to the text, pieces merge by token score, and
-  characters outside the vocabulary fall back to <0xXX> byte tokens.
+- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen 2/3.5, GPT-2, DeepSeek, Falcon,
+  Command-R, ...). The text is split by the pre-tokenizer regexes that
+  `tokenizer.ggml.pre` names, each piece is mapped byte by byte onto printable
+  stand-in characters, and the merges are applied.
+- "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral, Phi-3,
+  Gemma 3). Spaces become "▁", a space is prefixed to the text unless the file
+  says otherwise, pieces merge by token score, and characters outside the
+  vocabulary fall back to <0xXX> byte tokens.
+- "gemma4": BPE by merge rank over the text's own characters (spaces as "▁"),
+  line by line, with <0xXX> byte fallback.
 
-Both follow llama.cpp's behaviour, because that is what GGUF files are converted
-for and what the test fixtures are recorded from. The merge loops themselves run
-in HF `tokenizers` (Rust); this module decides what each call gets to see.
+All follow llama.cpp's behaviour, because that is what GGUF files are converted
+for and what the test fixtures are recorded from (llama.cpp's own tokenizer test
+suite among them). The merge loops themselves run in HF `tokenizers` (Rust);
+this module decides what each call gets to see.
 """
 import codecs
 import hashlib
@@ -430,6 +435,25 @@ def _special_tokens(md, tokens, token_types):
     return eog_ids
 
 
+def _stripping_right(md, tokens, token_types):
+    """Ids of the tokens that swallow the whitespace after them in raw text.
+
+    GGUF files do not carry this; llama.cpp sets it by model name, for Phi-3
+    only among LLMs: every token matched whole except <unk>, <s> and <|endoftext|>.
+    """
+    name = str(md.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    whole = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+    ids = set(np.flatnonzero(np.isin(np.asarray(token_types), whole)).tolist())
+    last_id = {text: token_id for token_id, text in enumerate(tokens)
+               if text in ("</s>", "<unk>", "<s>", "<|endoftext|>")}
+    if "</s>" in last_id:
+        ids.add(last_id["</s>"])
+    ids.difference_update(last_id[text] for text in ("<unk>", "<s>", "<|endoftext|>") if text in last_id)
+    return frozenset(ids)
+
+
 # ---------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------
@@ -438,7 +462,7 @@ class Tokenizer:
     """Encodes text to token ids and back, for one model's vocabulary."""
 
     def __init__(self, *, tokens, token_types, engine, kind, bos_id, eos_id, eog_ids,
-                 add_bos, add_eos, add_space_prefix=False):
+                 add_bos, add_eos, add_space_prefix=False, strips_right=frozenset()):
         self._tokens = tokens
         self._types = token_types
         self._engine = engine
@@ -451,6 +475,7 @@ class Tokenizer:
         self._add_space_prefix = add_space_prefix
         self._piece_bytes = [None] * len(tokens)     # filled as tokens are decoded
         self._special_texts = self._texts_split_before_merging()
+        self._strips_right = frozenset(strips_right)  # ids that swallow the whitespace after them
 
     # -- construction --------------------------------------------------------
 
@@ -468,9 +493,12 @@ class Tokenizer:
         eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
         return cls(tokens=tokens, token_types=token_types, engine=engine, kind=kind,
                    bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
-                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+                   # llama.cpp adds BOS to Gemma 4 prompts whatever the file says.
+                   add_bos=kind == "gemma4" or bool(md.get("tokenizer.ggml.add_bos_token",
+                                                            default_add_bos)),
                    add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
-                   add_space_prefix=add_space_prefix)
+                   add_space_prefix=add_space_prefix,
+                   strips_right=_stripping_right(md, tokens, token_types))
 
     def _piece(self, token_id):
         piece = self._piece_bytes[token_id]
@@ -581,8 +609,9 @@ class Tokenizer:
                 continue
             if token_text not in text:
                 continue
+            strip = token_id in self._strips_right
             fragments = [piece for fragment in fragments
-                         for piece in _cut_out(fragment, token_text, token_id)]
+                         for piece in _cut_out(fragment, token_text, token_id, strip)]
         return fragments
 
     def _encode_fragment(self, fragment, after_special):
@@ -636,14 +665,20 @@ class Tokenizer:
         return StreamingDecoder(self, skip_special)
 
 
-def _cut_out(fragment, token_text, token_id):
-    """`fragment` with every occurrence of `token_text` replaced by `token_id`."""
+_C_WHITESPACE = " \t\n\v\f\r"     # C's isspace, which llama.cpp strips with
+
+
+def _cut_out(fragment, token_text, token_id, strip_right=False):
+    """`fragment` with every occurrence of `token_text` replaced by `token_id`
+    (and, with strip_right, the whitespace after each occurrence dropped)."""
     if not isinstance(fragment, str) or token_text not in fragment:
         return [fragment]
     pieces = []
     for i, raw in enumerate(fragment.split(token_text)):
         if i:
             pieces.append(token_id)
+            if strip_right:
+                raw = raw.lstrip(_C_WHITESPACE)
         if raw:
             pieces.append(raw)
     return pieces

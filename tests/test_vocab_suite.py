@@ -1,5 +1,6 @@
 """llama.cpp's own tokenizer test suite (tests/vocab_fixtures.py): every case of every
-LLM vocabulary it ships, encoded by llambda.load_tokenizer, must give llama.cpp's ids."""
+LLM vocabulary it ships, encoded by llambda.load_tokenizer, must give llama.cpp's ids,
+plain (the suite's .out files) and with special tokens (recorded from llama.cpp)."""
 import pytest
 
 import llambda
@@ -30,6 +31,24 @@ def test_every_case_equals_llama_cpp(name):
         if ids != expected:
             wrong.append((text, ids, expected))
     assert wrong == [], f"{len(wrong)} of {len(vocab_fixtures.cases(name))} cases differ"
+
+
+@pytest.fixture(scope="module")
+def with_special_tokens():
+    import json
+    return json.loads((vocab_fixtures.HERE / "special_ids.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", vocab_fixtures.NAMES)
+def test_special_tokens_and_bos_equal_llama_cpp(name, with_special_tokens):
+    # The suite's texts and texts made of each vocabulary's own special tokens,
+    # with add_special and parse_special (tools/record_tokenizer_fixtures.py --vocab-dir).
+    tok = tokenizer(name)
+    recorded = with_special_tokens["vocabularies"][name]
+    wrong = [(text, tok.encode(text), expected)
+             for text, expected in zip(recorded["texts"], recorded["ids"])
+             if tok.encode(text) != expected]
+    assert wrong == []
 
 
 @pytest.mark.parametrize("name", vocab_fixtures.NAMES)

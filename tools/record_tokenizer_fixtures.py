@@ -21,6 +21,12 @@ file itself, and their tests run when the file is present:
 
 writes tests/fixtures/gemma3_tokens.json (Gemma 3's 262,144-token SentencePiece
 vocabulary with byte fallback) without touching the SmolLM fixtures.
+
+llama.cpp's own tokenizer suite (ggml-vocab-*.gguf with .inp/.out) covers plain
+encoding only; with --vocab-dir (its models/ directory) the same vocabularies
+are also recorded with add_special and parse_special, on their test texts and
+on texts made of each vocabulary's own special tokens, into
+tests/fixtures/vocab/special_ids.json.
 """
 import argparse
 import hashlib
@@ -260,6 +266,34 @@ def record_real_vocabulary(path, texts, out_path):
     print(f"{os.path.basename(path)}: {len(texts)} texts recorded", file=sys.stderr)
 
 
+def special_texts(metadata, seed=7):
+    """Texts mixing a vocabulary's control and user-defined tokens with words."""
+    tokens = metadata["tokenizer.ggml.tokens"][0]
+    types = metadata.get("tokenizer.ggml.token_type", ([1] * len(tokens), None))[0]
+    special = [t for t, kind in zip(tokens, types) if kind in (3, 4) and t]
+    rng = random.Random(seed)
+    picked = special[:6] + rng.sample(special, min(6, len(special)))
+    texts = [f"{t}Hello world" for t in picked[:4]]
+    texts += [f" {a} x{b}\n{c} " for a, b, c in zip(picked[::3], picked[1::3], picked[2::3])]
+    texts.append("".join(picked))
+    return texts
+
+
+def record_vocab_suite(vocab_dir, names, out_path):
+    separator = "\n__ggml_vocab_test__\n"
+    payload = {"source": f"llama-cpp-python {llama_cpp.__version__} (llama.cpp), vocab_only "
+                         "tokenize with add_special and parse_special", "vocabularies": {}}
+    for name in names:
+        path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
+        with open(path + ".inp", encoding="utf-8") as f:
+            texts = [t for t in f.read().split(separator) if t]
+        texts += special_texts(read_metadata(path))
+        ids = record(path, texts)["special"]
+        payload["vocabularies"][name] = {"texts": texts, "ids": ids}
+        print(f"{name}: {len(texts)} texts recorded", file=sys.stderr)
+    write_fixture(out_path, payload)
+
+
 def write_fixture(path, payload):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, ensure_ascii=False, indent=None, separators=(",", ":"))
@@ -270,6 +304,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf", nargs="?", help="the default model's GGUF (SmolLM2-135M-Instruct)")
     parser.add_argument("--gemma3", metavar="GGUF", help="also record Gemma 3's vocabulary from this file")
+    parser.add_argument("--vocab-dir", metavar="DIR",
+                        help="llama.cpp's models/ directory: record its vocabularies with special tokens")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "..",
                                                           "tests", "fixtures"))
     args = parser.parse_args(argv)
@@ -277,6 +313,10 @@ def main(argv=None):
     if args.gemma3:
         record_real_vocabulary(args.gemma3, all_texts() + GEMMA_TEXTS,
                                os.path.join(args.out_dir, "gemma3_tokens.json"))
+    if args.vocab_dir:
+        names = sorted(json.load(open(os.path.join(args.out_dir, "vocab", "vocabularies.json")))
+                       ["vocabularies"])
+        record_vocab_suite(args.vocab_dir, names, os.path.join(args.out_dir, "vocab", "special_ids.json"))
     if not args.gguf:
         return
 

@@ -1,6 +1,7 @@
 """llama.cpp's own tokenizer test suite (tests/vocab_fixtures.py): every case of every
 LLM vocabulary it ships, encoded by llambda.load_tokenizer, must give llama.cpp's ids,
-plain (the suite's .out files) and with special tokens (recorded from llama.cpp)."""
+plain (the suite's .out files), and on more texts with and without special tokens
+(recorded from llama.cpp)."""
 import pytest
 
 import llambda
@@ -34,20 +35,25 @@ def test_every_case_equals_llama_cpp(name):
 
 
 @pytest.fixture(scope="module")
-def with_special_tokens():
+def recorded():
     import json
-    return json.loads((vocab_fixtures.HERE / "special_ids.json").read_text(encoding="utf-8"))
+    return json.loads((vocab_fixtures.HERE / "llama_cpp_ids.json").read_text(encoding="utf-8"))
 
 
+@pytest.mark.parametrize("flag", [True, False], ids=["special", "plain"])
 @pytest.mark.parametrize("name", vocab_fixtures.NAMES)
-def test_special_tokens_and_bos_equal_llama_cpp(name, with_special_tokens):
-    # The suite's texts and texts made of each vocabulary's own special tokens,
-    # with add_special and parse_special (tools/record_tokenizer_fixtures.py --vocab-dir).
+def test_more_texts_and_special_tokens_equal_llama_cpp(name, flag, recorded):
+    # The suite's texts, texts made of each vocabulary's own special tokens and
+    # some 350 tricky texts (scripts, marks, digits, whitespace runs, code, random
+    # code points), with and without special tokens, as llama.cpp encoded them
+    # (tools/record_tokenizer_fixtures.py --vocab-dir).
     tok = tokenizer(name)
-    recorded = with_special_tokens["vocabularies"][name]
-    wrong = [(text, tok.encode(text), expected)
-             for text, expected in zip(recorded["texts"], recorded["ids"])
-             if tok.encode(text) != expected]
+    entry = recorded["vocabularies"][name]
+    texts = entry["texts"] + recorded["shared_texts"]
+    expected = entry["ids"]["special" if flag else "plain"]
+    assert len(expected) == len(texts)
+    wrong = [(text, ids, want) for text, want in zip(texts, expected)
+             if (ids := tok.encode(text, add_special=flag, parse_special=flag)) != want]
     assert wrong == []
 
 

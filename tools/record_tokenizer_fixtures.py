@@ -23,10 +23,10 @@ writes tests/fixtures/gemma3_tokens.json (Gemma 3's 262,144-token SentencePiece
 vocabulary with byte fallback) without touching the SmolLM fixtures.
 
 llama.cpp's own tokenizer suite (ggml-vocab-*.gguf with .inp/.out) covers plain
-encoding only; with --vocab-dir (its models/ directory) the same vocabularies
-are also recorded with add_special and parse_special, on their test texts and
-on texts made of each vocabulary's own special tokens, into
-tests/fixtures/vocab/special_ids.json.
+encoding of 46 texts only; with --vocab-dir (its models/ directory) the same
+vocabularies are also recorded with and without add_special and parse_special,
+on their test texts, on texts made of each vocabulary's own special tokens and
+on the texts above, into tests/fixtures/vocab/llama_cpp_ids.json.
 """
 import argparse
 import hashlib
@@ -280,17 +280,19 @@ def special_texts(metadata, seed=7):
 
 
 def record_vocab_suite(vocab_dir, names, out_path):
+    """Each vocabulary's suite texts, texts of its own special tokens and the texts
+    above, with and without special tokens."""
     separator = "\n__ggml_vocab_test__\n"
     payload = {"source": f"llama-cpp-python {llama_cpp.__version__} (llama.cpp), vocab_only "
-                         "tokenize with add_special and parse_special", "vocabularies": {}}
+                         "tokenize", "shared_texts": all_texts() + GEMMA_TEXTS, "vocabularies": {}}
     for name in names:
         path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
         with open(path + ".inp", encoding="utf-8") as f:
-            texts = [t for t in f.read().split(separator) if t]
-        texts += special_texts(read_metadata(path))
-        ids = record(path, texts)["special"]
-        payload["vocabularies"][name] = {"texts": texts, "ids": ids}
-        print(f"{name}: {len(texts)} texts recorded", file=sys.stderr)
+            own = [t for t in f.read().split(separator) if t]
+        own += special_texts(read_metadata(path))
+        payload["vocabularies"][name] = {"texts": own,
+                                         "ids": record(path, own + payload["shared_texts"])}
+        print(f"{name}: {len(own)} + {len(payload['shared_texts'])} texts recorded", file=sys.stderr)
     write_fixture(out_path, payload)
 
 
@@ -316,7 +318,7 @@ def main(argv=None):
     if args.vocab_dir:
         names = sorted(json.load(open(os.path.join(args.out_dir, "vocab", "vocabularies.json")))
                        ["vocabularies"])
-        record_vocab_suite(args.vocab_dir, names, os.path.join(args.out_dir, "vocab", "special_ids.json"))
+        record_vocab_suite(args.vocab_dir, names, os.path.join(args.out_dir, "vocab", "llama_cpp_ids.json"))
     if not args.gguf:
         return
 

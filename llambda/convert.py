@@ -101,7 +101,7 @@ def _read_gguf(path):
 
 
 def _check_tensor_types(tensors):
-    """Every matrix in a type llambda can repack (vectors are dequantized to f32 whatever their type)."""
+    """Every matrix in a type llambda can repack (vectors become f32 whatever their type)."""
     supported = layouts.supported_types()
     for name, tensor in tensors.items():
         type_name = tensor.tensor_type.name
@@ -258,7 +258,7 @@ def tokenizer_metadata(path):
     path = Path(path)
     kind = _sniff(path)
     if kind == "gguf":
-        return GGUFFile(path).metadata(lambda key: key.startswith("tokenizer.") or key in _TOKENIZER_HINTS)
+        return GGUFFile(path).metadata(_is_tokenizer_key)
     if kind == "llambda":
         return _tokenizer_of(_model_metadata(_open(path)))
     raise UserError(f"{path}: neither a GGUF nor a llambda model file")
@@ -267,6 +267,10 @@ def tokenizer_metadata(path):
 # Keys outside tokenizer.* that llama.cpp's tokenizer reads (it sets Phi-3's
 # special-token attributes by model name).
 _TOKENIZER_HINTS = ("general.name",)
+
+
+def _is_tokenizer_key(key):
+    return key.startswith("tokenizer.") or key in _TOKENIZER_HINTS
 
 
 def _tokenizer_of(metadata):

@@ -52,8 +52,11 @@ def test_more_texts_and_special_tokens_equal_llama_cpp(name, flag, recorded):
     texts = entry["texts"] + recorded["shared_texts"]
     expected = entry["ids"]["special" if flag else "plain"]
     assert len(expected) == len(texts)
-    wrong = [(text, ids, want) for text, want in zip(texts, expected)
-             if (ids := tok.encode(text, add_special=flag, parse_special=flag)) != want]
+    wrong = []
+    for text, want in zip(texts, expected):
+        ids = tok.encode(text, add_special=flag, parse_special=flag)
+        if ids != want:
+            wrong.append((text, ids, want))
     assert wrong == []
 
 

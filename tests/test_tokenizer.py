@@ -171,7 +171,9 @@ def test_gemma3_special_tokens(gemma3_tok):
 
 @given(st.text(max_size=60))
 def test_gemma3_decode_inverts_encode(gemma3_tok, text):
-    # Byte fallback spells every character, so every text comes back.
+    # Byte fallback spells every character, so every text comes back, except a
+    # literal U+2581, which is SentencePiece's space and decodes as one.
+    assume("\u2581" not in text)
     assert gemma3_tok.decode(gemma3_tok.encode(text, add_special=False, parse_special=False)) == text
 
 

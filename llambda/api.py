@@ -28,6 +28,19 @@ def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, ch
                  chat_template=chat_template)
 
 
+def load_tokenizer(path):
+    """The tokenizer of a model file: any GGUF (llama.cpp's vocabulary-only
+    ``ggml-vocab-*.gguf`` too) or a converted llambda file. No weights are read.
+
+        tok = llambda.load_tokenizer("model.gguf")
+        ids = tok.encode("Hello", add_special=True, parse_special=True)
+        text = tok.decode(ids)
+    """
+    from . import convert
+    from .tokenizer import Tokenizer
+    return Tokenizer.from_gguf_metadata(convert.tokenizer_metadata(path))
+
+
 class Model:
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
                  chat_template=None):

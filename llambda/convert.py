@@ -1,6 +1,7 @@
 """GGUF -> llambda model file, and loading that file back as weights.
 
-A GGUF is read once (with the ``gguf`` package), its matrices repacked into
+A GGUF is read once (its tables by llambda/gguf_file.py, which decodes the
+vocabulary only after the tensor types have passed), its matrices repacked into
 the layouts the kernels read (runtime/layouts.py), and everything written to
 one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
 
@@ -31,6 +32,7 @@ from llambda.runtime.layouts import PackedWeight
 from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
+from .gguf_file import GGUFFile
 
 MODEL_FORMAT = "llambda-model"
 SCHEMA_VERSION = 2     # 2: per-architecture config (windows, RoPE per layer, scales)
@@ -44,10 +46,12 @@ def convert(gguf_path, out_path=None, progress=True):
     out_path = Path(out_path) if out_path is not None else gguf_path.with_suffix(SUFFIX)
     if out_path.resolve() == gguf_path.resolve():
         raise UserError(f"{out_path}: the output would overwrite the GGUF it is converted from")
-    reader = _read_gguf(gguf_path)
-    gguf_metadata = {name: _field_value(field) for name, field in reader.fields.items()
-                     if not name.startswith("GGUF.")}
-    gguf_tensors = {t.name: t for t in reader.tensors}
+    gguf_file = _read_gguf(gguf_path)
+    # The tensor table first: a file llambda cannot load is refused before its
+    # vocabulary (hundreds of thousands of strings) is decoded.
+    gguf_tensors = {t.name: t for t in gguf_file.tensors}
+    _check_tensor_types(gguf_tensors)
+    gguf_metadata = gguf_file.metadata()
     embedding = gguf_tensors.get("token_embd.weight")
     config = ModelConfig.from_gguf_metadata(
         gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
@@ -75,27 +79,22 @@ def convert(gguf_path, out_path=None, progress=True):
 
 
 def _read_gguf(path):
-    import gguf   # conversion-time only: loading a converted file does not need it
     kind = _sniff(path)
     if kind == "llambda":
         raise UserError(f"{path}: already a llambda file, nothing to convert")
     if kind != "gguf":
         raise UserError(f"{path}: not a GGUF file")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:    # the reader raises a variety of errors on damaged files
-        raise UserError(f"{path}: cannot read this GGUF ({type(e).__name__}: {e})") from None
+    return GGUFFile(path)
 
 
-def _field_value(field):
-    """A GGUF key's value as plain JSON-able Python (strings, numbers, bools, lists)."""
-    try:
-        return field.contents()
-    except UnicodeDecodeError:
-        # A string that is not valid UTF-8 (some vocabularies hold raw byte tokens):
-        # keep its bytes recoverable as surrogate escapes instead of failing.
-        strings = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-        return strings if len(field.types) > 1 else strings[0]
+def _check_tensor_types(tensors):
+    """Every matrix in a type llambda can repack (vectors become f32 whatever their type)."""
+    supported = layouts.supported_types()
+    for name, tensor in tensors.items():
+        type_name = tensor.tensor_type.name
+        if len(tensor.shape) >= 2 and type_name not in supported:
+            raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
+                            f"(supported: {', '.join(supported)})")
 
 
 class _Rows:
@@ -287,7 +286,35 @@ def load_model_file(path):
             weights[name] = PackedWeight(entry["kind"], entry["n"], entry["k"], arrays, dict(entry["meta"]))
     except (KeyError, TypeError) as e:
         raise UserError(f"{path}: model metadata does not match its tensors ({e!r}): convert it again") from None
-    return ModelConfig.from_dict(metadata["config"]), metadata["tokenizer"], weights
+    return ModelConfig.from_dict(metadata["config"]), _tokenizer_of(metadata), weights
+
+
+def tokenizer_metadata(path):
+    """The ``tokenizer.*`` keys of a model file: any GGUF (vocabulary-only ones too),
+    read without touching tensor data, or a llambda file's header."""
+    path = Path(path)
+    kind = _sniff(path)
+    if kind == "gguf":
+        return GGUFFile(path).metadata(_is_tokenizer_key)
+    if kind == "llambda":
+        return _tokenizer_of(_model_metadata(_open(path)))
+    raise UserError(f"{path}: neither a GGUF nor a llambda model file")
+
+
+# Keys outside tokenizer.* that llama.cpp's tokenizer reads (it sets Phi-3's
+# special-token attributes by model name).
+_TOKENIZER_HINTS = ("general.name",)
+
+
+def _is_tokenizer_key(key):
+    return key.startswith("tokenizer.") or key in _TOKENIZER_HINTS
+
+
+def _tokenizer_of(metadata):
+    tokenizer = dict(metadata["tokenizer"])
+    tokenizer.update({key: metadata["gguf"][key] for key in _TOKENIZER_HINTS
+                      if key in metadata.get("gguf", {})})
+    return tokenizer
 
 
 def _open(path):

@@ -182,6 +182,29 @@ def test_unsupported_tensor_type(f32_layouts, tmp_path):
         convert.convert(path, progress=False)
 
 
+def test_iq_tensor_is_refused_from_the_tensor_table_before_the_vocabulary(f32_layouts, tmp_path,
+                                                                          monkeypatch):
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    tensors = tiny_tensors()
+    n, k = tensors["blk.0.attn_q.weight"].shape
+    tensors["blk.0.attn_q.weight"] = np.zeros((n, k // block * block_bytes), np.uint8)
+    path = write_gguf(tmp_path / "m.gguf", tensors, raw_types={"blk.0.attn_q.weight": qtype})
+    from llambda.gguf_file import GGUFFile
+
+    def no_vocabulary(self, key, default=None):
+        assert not key.startswith("tokenizer."), f"{key} decoded before the tensor types were checked"
+        return real_value(self, key, default)
+    real_value = GGUFFile.value
+    monkeypatch.setattr(GGUFFile, "value", no_vocabulary)
+    with pytest.raises(UserError) as refused:
+        convert.convert(path, progress=False)
+    message = str(refused.value)
+    assert "blk.0.attn_q.weight" in message and "IQ4_NL" in message
+    assert f"supported: {', '.join(layouts.supported_types())}" in message
+    assert not (tmp_path / "m.llb").exists()
+
+
 def test_missing_tensors_are_named(f32_layouts, tmp_path):
     tensors = tiny_tensors()
     del tensors["blk.1.attn_k.weight"], tensors["output_norm.weight"]
@@ -347,3 +370,33 @@ def test_embedding_rows_past_the_tokens_set_the_vocabulary(tmp_path):
     tensors = tiny_tensors(vocab=TINY["vocab"] + 7)
     out = convert.convert(write_gguf(tmp_path / "long.gguf", tensors), tmp_path / "long.llb", progress=False)
     assert convert.load_model_file(out)[0].vocab_size == TINY["vocab"] + 7
+
+
+# ---------------------------------------------------------------- load_tokenizer
+
+def test_load_tokenizer_reads_a_gguf_and_its_conversion_alike(f32_layouts, tiny_gguf, tmp_path,
+                                                              monkeypatch):
+    import llambda
+    from llambda.gguf_file import GGUFFile
+    gguf_path, _ = tiny_gguf
+    out = convert.convert(gguf_path, tmp_path / "tiny.llb", progress=False)
+    touched = []
+    monkeypatch.setattr(GGUFFile, "_tensor_data", lambda self, t: touched.append(t.name))
+    from_gguf, from_llb = llambda.load_tokenizer(gguf_path), llambda.load_tokenizer(out)
+    assert touched == []                      # the tokenizer reads no tensor data
+    for text in ["", "t1 a", "ü t1t1 a", "<|im_end|>"]:
+        assert from_gguf.encode(text) == from_llb.encode(text)
+    assert from_gguf.vocab_size == from_llb.vocab_size == TINY["vocab"]
+    ids = list(range(TINY["vocab"]))
+    assert from_gguf.decode(ids) == from_llb.decode(ids)
+    assert from_gguf.decode([TINY["vocab"] - 2]) == " a"      # the vocabulary's "Ġa"
+
+
+def test_load_tokenizer_refuses_what_is_not_a_model(tmp_path):
+    import llambda
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a model at all" * 4)
+    with pytest.raises(UserError, match="junk.bin"):
+        llambda.load_tokenizer(junk)
+    with pytest.raises(UserError, match="no such file"):
+        llambda.load_tokenizer(tmp_path / "absent.gguf")

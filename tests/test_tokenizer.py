@@ -107,6 +107,76 @@ def test_sentencepiece_ids_equal_llama_cpp(spm_tok, spm_recorded, flag):
     assert mismatches(spm_tok, spm_recorded["texts"], expected, flag) == []
 
 
+def test_sentencepiece_merges_are_cached_and_a_damaged_cache_is_rebuilt(spm_recorded, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("LLAMBDA_CACHE_DIR", str(tmp_path))
+    md = sentencepiece_md(spm_recorded)
+    expected = spm_recorded["ids"]["plain"]
+    first = Tokenizer.from_gguf_metadata(md)
+    cached = list((tmp_path / "tokenizers").glob("spm-merges-*.npy"))
+    assert len(cached) == 1
+    assert mismatches(Tokenizer.from_gguf_metadata(md), spm_recorded["texts"], expected, False) == []
+    cached[0].write_bytes(b"damaged")
+    assert mismatches(Tokenizer.from_gguf_metadata(md), spm_recorded["texts"], expected, False) == []
+    assert cached[0].read_bytes() != b"damaged"
+    # Another vocabulary (one score changed) gets its own entry.
+    Tokenizer.from_gguf_metadata(dict(md, **{"tokenizer.ggml.scores": [*md["tokenizer.ggml.scores"][:-1], 5.0]}))
+    assert len(list((tmp_path / "tokenizers").glob("spm-merges-*.npy"))) == 2
+    assert first.vocab_size == len(md["tokenizer.ggml.tokens"])
+
+
+# Gemma 3's real vocabulary (262,144 SentencePiece tokens with byte fallback): too
+# large to commit, so its test runs where the model file is (`llambda fetch
+# gemma3-270m` puts it in the cache; LLAMBDA_GEMMA3_GGUF names another copy).
+
+def gemma3_gguf():
+    from llambda.runtime import paths
+    path = os.environ.get("LLAMBDA_GEMMA3_GGUF") or \
+        str(paths.cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf")
+    if not os.path.exists(path):
+        pytest.skip(f"the Gemma 3 270M GGUF is not at {path} (llambda fetch gemma3-270m)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_tok():
+    import llambda
+    return llambda.load_tokenizer(gemma3_gguf())
+
+
+@pytest.fixture(scope="module")
+def gemma3_recorded():
+    return load_fixture("gemma3_tokens.json")
+
+
+def test_gemma3_fixture_matches_the_file(gemma3_tok, gemma3_recorded):
+    import hashlib
+    tokens = [gemma3_tok.token_text(i) for i in range(gemma3_tok.vocab_size)]
+    digest = hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+    assert digest == gemma3_recorded["vocab_sha256"], "fixture recorded from another vocabulary"
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["special", "plain"])
+def test_gemma3_ids_equal_llama_cpp(gemma3_tok, gemma3_recorded, flag):
+    expected = gemma3_recorded["ids"]["special" if flag else "plain"]
+    assert mismatches(gemma3_tok, gemma3_recorded["texts"], expected, flag) == []
+
+
+def test_gemma3_special_tokens(gemma3_tok):
+    assert gemma3_tok.eog_ids == {1, 106, 212}   # <eos>, <end_of_turn>, </s> (as llama.cpp)
+    assert gemma3_tok.encode("Hi")[0] == gemma3_tok.bos_id == 2
+    ids = gemma3_tok.encode("<start_of_turn>user\nHi<end_of_turn>")
+    assert gemma3_tok.decode(ids, skip_special=True) == "user\nHi"
+
+
+@given(st.text(max_size=60))
+def test_gemma3_decode_inverts_encode(gemma3_tok, text):
+    # Byte fallback spells every character, so every text comes back, except a
+    # literal U+2581, which is SentencePiece's space and decodes as one.
+    assume("\u2581" not in text)
+    assert gemma3_tok.decode(gemma3_tok.encode(text, add_special=False, parse_special=False)) == text
+
+
 # ---------------------------------------------------------------------------
 # Round trips
 # ---------------------------------------------------------------------------
@@ -188,7 +258,9 @@ def test_default_model_ids_and_flags(tok):
     assert tok.vocab_size == 49152
     assert tok.bos_id == 1 and tok.token_text(tok.bos_id) == "<|im_start|>"
     assert tok.eos_id == 2 and tok.token_text(tok.eos_id) == "<|im_end|>"
-    assert tok.eog_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    # <|endoftext|>, <|im_end|>, and <reponame>: a fill-in-the-middle marker llama.cpp
+    # recognises by its text and lets end generation too.
+    assert tok.eog_ids == {0, 2, 4}
     assert tok.encode("") == []  # the model does not ask for BOS
 
 

@@ -13,6 +13,20 @@ re-labelled with the other pre-tokenizers llambda knows ("gpt-2", "llama-bpe",
 "qwen2") in vocabulary-only GGUF copies, so each regex is checked against
 llama.cpp without downloading those models. A SentencePiece vocabulary is
 derived from it the same way (see `sentencepiece_vocab`).
+
+Real vocabularies whose files are too large to commit are recorded from the
+file itself, and their tests run when the file is present:
+
+    /tmp/tokref/bin/python tools/record_tokenizer_fixtures.py --gemma3 gemma-3-270m-q4_k_m.gguf
+
+writes tests/fixtures/gemma3_tokens.json (Gemma 3's 262,144-token SentencePiece
+vocabulary with byte fallback) without touching the SmolLM fixtures.
+
+llama.cpp's own tokenizer suite (ggml-vocab-*.gguf with .inp/.out) covers plain
+encoding of 46 texts only; with --vocab-dir (its models/ directory) the same
+vocabularies are also recorded with and without add_special and parse_special,
+on their test texts, on texts made of each vocabulary's own special tokens and
+on the texts above, into tests/fixtures/vocab/llama_cpp_ids.json.
 """
 import argparse
 import hashlib
@@ -58,6 +72,21 @@ HAND_PICKED_TEXTS = [
     "a<|im_start|>b", " <|im_start|> ", "<|im_start", "im_start|>", "<|im_start|><|im_start|>",
     "<repo_name>x<file_sep>y", "<reponame><filename>", "<jupyter_code>print(1)",
     "<s>", "</s>", "<unk>", "<0x0A>",
+]
+
+
+# Gemma's vocabulary: whole runs of spaces, newlines and tabs, HTML tags and
+# <start_of_turn> are tokens of their own; byte fallback spells the rest.
+GEMMA_TEXTS = [
+    "<start_of_turn>user\nWhy is the sky blue?<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><start_of_turn>user", "<end_of_turn>", "<start_of_turn>", "<pad><eos><unk><mask>",
+    "<unused0><unused6241>", "[multimodal]", "<start_of_image>", "<bos>Hello", "Hello<eos>",
+    "a  b", "a   b", "a" + " " * 31 + "b", "a" + " " * 40 + "b", " " * 33, "  leading", "trailing  ",
+    "a\tb", "a\t\t\tb", "\t" * 35, "a\n\nb", "\n" * 40, " \n \n ", "\n\n  \n",
+    "<table><tr><td>1</td></tr></table>", "<h1>Title</h1>", "<b>bold</b> <i>it</i>",
+    "▁", "▁▁hello", "hello▁world", "\u2581 \u2581",
+    "\U00020000\U0002A700", "\U000E0041", "\uFFFF", "\U0010FFFD", "𓀀𓀁", "🫠🫶🏻",
+    "def main():\n\tif x:\n\t\treturn  1\n",
 ]
 
 
@@ -226,12 +255,72 @@ def vocab_digest(tokens):
     return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
 
 
+def record_real_vocabulary(path, texts, out_path):
+    """ids llama.cpp gives ``texts`` with the vocabulary of the GGUF at ``path``."""
+    metadata = read_metadata(path)
+    payload = {"source": f"llama-cpp-python {llama_cpp.__version__} (llama.cpp), vocab_only tokenize",
+               "gguf": os.path.basename(path),
+               "vocab_sha256": vocab_digest(metadata["tokenizer.ggml.tokens"][0]),
+               "texts": texts, "ids": record(path, texts)}
+    write_fixture(out_path, payload)
+    print(f"{os.path.basename(path)}: {len(texts)} texts recorded", file=sys.stderr)
+
+
+def special_texts(metadata, seed=7):
+    """Texts mixing a vocabulary's control and user-defined tokens with words."""
+    tokens = metadata["tokenizer.ggml.tokens"][0]
+    types = metadata.get("tokenizer.ggml.token_type", ([1] * len(tokens), None))[0]
+    special = [t for t, kind in zip(tokens, types) if kind in (3, 4) and t]
+    rng = random.Random(seed)
+    picked = special[:6] + rng.sample(special, min(6, len(special)))
+    texts = [f"{t}Hello world" for t in picked[:4]]
+    texts += [f" {a} x{b}\n{c} " for a, b, c in zip(picked[::3], picked[1::3], picked[2::3])]
+    texts.append("".join(picked))
+    return texts
+
+
+def record_vocab_suite(vocab_dir, names, out_path):
+    """Each vocabulary's suite texts, texts of its own special tokens and the texts
+    above, with and without special tokens."""
+    separator = "\n__ggml_vocab_test__\n"
+    payload = {"source": f"llama-cpp-python {llama_cpp.__version__} (llama.cpp), vocab_only "
+                         "tokenize", "shared_texts": all_texts() + GEMMA_TEXTS, "vocabularies": {}}
+    for name in names:
+        path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
+        with open(path + ".inp", encoding="utf-8") as f:
+            own = [t for t in f.read().split(separator) if t]
+        own += special_texts(read_metadata(path))
+        payload["vocabularies"][name] = {"texts": own,
+                                         "ids": record(path, own + payload["shared_texts"])}
+        print(f"{name}: {len(own)} + {len(payload['shared_texts'])} texts recorded", file=sys.stderr)
+    write_fixture(out_path, payload)
+
+
+def write_fixture(path, payload):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, ensure_ascii=False, indent=None, separators=(",", ":"))
+        f.write("\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("gguf", help="the default model's GGUF (SmolLM2-135M-Instruct)")
+    parser.add_argument("gguf", nargs="?", help="the default model's GGUF (SmolLM2-135M-Instruct)")
+    parser.add_argument("--gemma3", metavar="GGUF", help="also record Gemma 3's vocabulary from this file")
+    parser.add_argument("--vocab-dir", metavar="DIR",
+                        help="llama.cpp's models/ directory: record its vocabularies with special tokens")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "..",
                                                           "tests", "fixtures"))
     args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.gemma3:
+        record_real_vocabulary(args.gemma3, all_texts() + GEMMA_TEXTS,
+                               os.path.join(args.out_dir, "gemma3_tokens.json"))
+    if args.vocab_dir:
+        names = sorted(json.load(open(os.path.join(args.out_dir, "vocab", "vocabularies.json")))
+                       ["vocabularies"])
+        record_vocab_suite(args.vocab_dir, names, os.path.join(args.out_dir, "vocab", "llama_cpp_ids.json"))
+    if not args.gguf:
+        return
 
     metadata = read_metadata(args.gguf)
     texts = all_texts()
@@ -255,12 +344,9 @@ def main(argv=None):
                "texts": texts, "ids": record(path, texts)}
         print(f"sentencepiece: {len(tokens)} tokens", file=sys.stderr)
 
-    os.makedirs(args.out_dir, exist_ok=True)
     for filename, payload in (("smollm2_tokens.json", byte_level),
                               ("sentencepiece_tokens.json", spm)):
-        with open(os.path.join(args.out_dir, filename), "w", encoding="utf-8") as f:
-            json.dump(payload, f, ensure_ascii=False, indent=None, separators=(",", ":"))
-            f.write("\n")
+        write_fixture(os.path.join(args.out_dir, filename), payload)
 
 
 if __name__ == "__main__":

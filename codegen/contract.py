@@ -55,7 +55,23 @@ QUANT_ARRAYS = {
              ArraySpec("dm", np.float16, (2, GROUP))),                          # d then m of each row
     "q8_0": (ArraySpec("qs", np.int8, (BLOCK // CHUNK, GROUP, CHUNK)),          # int8, 8 chunks
              ArraySpec("d", np.float16, (GROUP,))),
+    # K-quants with 16-weight sub-blocks (runtime/layout_kquant16.py, codegen/qgemm_k16.py):
+    # per block of 32 weights, planes of packed quants (each 8 rows x 4 bytes) and the two
+    # sub-blocks' integer scales of each row; per super-block of 256, f16 scales per row.
+    "q6_k": (ArraySpec("qs", np.uint8, (2, 3, GROUP, CHUNK)),                   # 6-bit q, 3 planes a half
+             ArraySpec("sc", np.int8, (GROUP, 2)),                              # sc of each row's halves
+             ArraySpec("d", np.float16, (GROUP,), SUPER_BLOCK // BLOCK)),
+    "q3_k": (ArraySpec("qs", np.uint8, (3, GROUP, CHUNK)),                      # 3-bit q, 3 planes
+             ArraySpec("sc", np.int8, (GROUP, 2)),                              # sc - 32
+             ArraySpec("d", np.float16, (GROUP,), SUPER_BLOCK // BLOCK)),
+    "q2_k": (ArraySpec("qs", np.uint8, (2, GROUP, CHUNK)),                      # 2-bit q, 2 planes
+             ArraySpec("sm", np.uint8, (GROUP, 2)),                             # sc | m << 4, as GGUF
+             ArraySpec("dm", np.float16, (2, GROUP), SUPER_BLOCK // BLOCK)),    # d then dmin
 }
+
+# Register tiles of the qgemm kernels whose tile differs from their ISA's default
+# (runtime/native/quant.py QGEMM_TILES), by kind and ISA.
+QGEMM_KIND_TILES = {"q6_k": {"avx2": "4x8"}, "q3_k": {"avx2": "4x8"}, "q2_k": {"avx2": "2x8"}}
 
 
 def block_multiple(kind):

@@ -8,6 +8,10 @@ meaning depends on ``kind``:
     q4_1    qs (nibbles, 8 rows interleaved 4 bytes at a time), dm (f16 scales, mins)
             -- Q4_0 (as m = -8d) and Q4_1 weights
     q8_0    qs (int8, 8 rows interleaved 4 bytes at a time), d (f16 scales) -- Q8_0 weights
+    q6_k    qs (6-bit, 3 planes a sub-block), sc (int8), d (f16 per 256)  -- Q6_K weights
+    q3_k    qs (3-bit, 3 planes), sc (int8 sc - 32), d (f16 per 256)     -- Q3_K weights
+    q2_k    qs (2-bit, 2 planes), sm (scale | min << 4), dm (f16 per 256) -- Q2_K weights
+            (layout_kquant16.py)
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 
@@ -54,7 +58,7 @@ def register(layout):
 
 
 def _load_layouts():
-    from . import layout_quant, layout_float  # noqa: F401  (each calls register)
+    from . import layout_quant, layout_float, layout_kquant16  # noqa: F401  (each calls register)
 
 
 def supported_types():

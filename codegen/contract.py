@@ -71,7 +71,8 @@ QUANT_ARRAYS = {
 
 # Register tiles of the qgemm kernels whose tile differs from their ISA's default
 # (runtime/native/quant.py QGEMM_TILES), by kind and ISA.
-QGEMM_KIND_TILES = {"q6_k": {"avx2": "4x8"}, "q3_k": {"avx2": "4x8"}, "q2_k": {"avx2": "2x8"}}
+# A kind listed here has kernels for the ISAs listed, and only those.
+QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8"}, "q3_k": {"avx2": "3x8"}, "q2_k": {"avx2": "2x8"}}
 
 
 def block_multiple(kind):

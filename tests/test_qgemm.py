@@ -297,7 +297,7 @@ def test_qgemm_rejects_an_unknown_or_unavailable_isa(native, monkeypatch):
     qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
     with pytest.raises(ValueError, match="isa: expected one of avx2.*got 'avx1024'"):
         native.qgemm(qs, d, s, w, out, isa="avx1024")
-    monkeypatch.setattr(n_quant, "qgemm_isas", lambda: ("avx2",))     # a CPU without AVX-512 VNNI
+    monkeypatch.setattr(n_quant, "qgemm_isas", lambda kind=None: ("avx2",))     # a CPU without AVX-512 VNNI
     with pytest.raises(ValueError, match="isa: expected one of avx2 .*got 'avx512'"):
         native.qgemm(qs, d, s, w, out, isa="avx512")
     native.qgemm(qs, d, s, w, out, isa="avx2")

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
-from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, qgemm_symbol
+from ...codegen.contract import BLOCK, GROUP, QGEMM_KIND_TILES, QUANT_ARRAYS, qgemm_symbol
 from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -82,34 +82,46 @@ def qgemm(qs, d, s, w, out, rows=None, *, isa=None):
     kernel(symbol)(*args)
 
 
+def qgemm_tile(kind, isa):
+    """The register tile in ``kind``'s qgemm kernel name for ``isa`` (None: it has no such kernel)."""
+    if kind in QGEMM_KIND_TILES:
+        return QGEMM_KIND_TILES[kind].get(isa)
+    return QGEMM_TILES[isa]
+
+
 @functools.lru_cache(maxsize=None)
-def qgemm_isas():
-    """The qgemm variants this CPU runs and the kernel library has, baseline first."""
+def qgemm_isas(kind=None):
+    """The qgemm variants this CPU runs and the kernel library has, baseline first: for ``kind``,
+    or (None) those that every kind emitted for that ISA has (contract.QGEMM_KIND_TILES lists
+    the kinds with fewer ISAs)."""
     flags = cpu.cpu_flags()
     manifest = library.load("avx2").manifest
-    return tuple(isa for isa, tile in QGEMM_TILES.items()
+    kinds = [kind] if kind is not None else quantized_kinds()
+    return tuple(isa for isa in QGEMM_TILES
                  if not cpu.missing_flags(isa)
                  and (isa not in QGEMM_EXTRA_FLAG or flags & set(QGEMM_EXTRA_FLAG[isa]))
-                 and all(qgemm_symbol(kind, tile, isa) in manifest for kind in quantized_kinds()))
+                 and (kind is None or qgemm_tile(kind, isa) is not None)
+                 and all(qgemm_symbol(k, qgemm_tile(k, isa), isa) in manifest
+                         for k in kinds if qgemm_tile(k, isa) is not None))
 
 
 @functools.lru_cache(maxsize=None)
-def widest_qgemm_isa():
-    """The widest of qgemm_isas(), or of those up to LLAMBDA_ISA when set (read once)."""
+def widest_qgemm_isa(kind=None):
+    """The widest of qgemm_isas(kind), or of those up to LLAMBDA_ISA when set (read once)."""
     names = list(QGEMM_TILES)
     cap = os.environ.get(ISA_CAP) or names[-1]
     if cap not in names:
         raise ValueError(f"{ISA_CAP}: expected one of {', '.join(names)}, got {cap!r}")
-    return [isa for isa in qgemm_isas() if names.index(isa) <= names.index(cap)][-1]
+    return [isa for isa in qgemm_isas(kind) if names.index(isa) <= names.index(cap)][-1]
 
 
-def _qgemm_isa(isa, m):
+def _qgemm_isa(isa, m, kind=None):
     if isa is None:
-        widest = widest_qgemm_isa()
+        widest = widest_qgemm_isa(kind)
         return "avx2" if widest == "avx512" and m < AVX512_MIN_ROWS else widest
-    if isa not in qgemm_isas():
-        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas())} (the qgemm variants this CPU "
-                         f"and kernel library run), got {isa!r}")
+    if isa not in qgemm_isas(kind):
+        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "
+                         f"and kernel library run for kind {kind}), got {isa!r}")
     return isa
 
 
@@ -125,7 +137,7 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
-    isa = _qgemm_isa(isa, m)
-    return qgemm_symbol(w.kind, QGEMM_TILES[isa], isa), [
+    isa = _qgemm_isa(isa, m, w.kind)
+    return qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa), [
         *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

@@ -1,0 +1,428 @@
+"""Quantized-weight GEMM for the K-quants with 16-weight sub-blocks: Q6_K, Q3_K, Q2_K weights x Q8 activations.
+
+    llb_qgemm_<kind>_q8_<R>x8__avx2(wq, wsc, wd, aq, ad, asum, out, m, n, kb, ldo)
+
+The weight arrays are runtime/layout_kquant16.py's (``QUANT_ARRAYS[kind]``:
+quant planes and sub-block scales per 32-weight block, f16 scales per
+256-weight super-block); the rest is codegen/qgemm.py's contract: Q8
+activation blocks of 32 (``asum`` is not read), row groups of 8 columns,
+``out`` at the first column, only ``n`` columns written. The driver, the row
+tiles and the masked stores are qgemm.py's; this module adds the block.
+
+Per block of 32 weights, row group and activation row, exactly in integers:
+
+    X = sum over the block's two sub-blocks h of  s_h * sum_{j in h} (q_j - o) * a_j
+    out += (d * d_a) * X                        [Q2_K: - (dmin * d_a) * sum_h m_h * sum_{j in h} a_j]
+
+with o = 32 (Q6_K), 4 (Q3_K), 0 (Q2_K). The quants are unsigned, recovered
+from the planes one chunk (4 weights x 8 rows, 32 bytes) at a time with
+shifts and masks. ``vpmaddubsw(q, a)`` gives int16 pair sums; the offset goes
+in the same int16 domain, ``vpmaddubsw(o, a)`` subtracted per chunk, so that
+each pair sum is sum (q - o) a: at most 2 * 32 * 127 = 8128 for Q6_K, and the
+four chunks of a sub-block add up in int16 (32512) before one ``vpmaddwd``
+with that sub-block's scales (int16 pairs (s, s) per row, unpacked from the
+scale bytes once per block and kept in the stack frame). |X| < 2^24 for every
+kind, so its conversion to f32 is exact, and each block costs every row the
+same two f32 operations (a multiply for d * d_a, then an FMA; Q2_K a second
+pair for the min): the sum over k runs in block order, whatever the tile.
+
+Registers: each activation row of a tile needs its f32 total, the int16
+sub-block sum and the int32 block sum (Q2_K two more for the min), next to
+four working registers; the tile sizes follow (``MAX_ROWS``), the rows left
+run smaller copies, and constants live in the registers a tile leaves free
+(else they are memory operands).
+"""
+from dataclasses import dataclass
+
+from peachpy import Constant
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, Label, LABEL, RETURN,
+                            LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, JG, JNZ, VMOVDQA, VMOVDQU,
+                            VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
+                            VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
+                            VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
+
+from . import qgemm
+from .common import Kernel, function
+from .contract import BLOCK, CHUNK, GROUP, SUPER_BLOCK, QGEMM_KIND_TILES, qgemm_symbol
+
+ISAS = ("avx2",)
+YMM_COUNT = 16
+WORKING = 5                 # chunk, temporary, broadcast, product, and the offset (or ones) constant
+BLOCKS_PER_SUPER = SUPER_BLOCK // BLOCK
+
+
+@dataclass(frozen=True)
+class K16Kind:
+    name: str
+    quant_bytes: int        # quant planes per block of one group
+    super_bytes: int        # f16 super-block scales per super-block of one group
+    offset: int             # subtracted from every quant (o above)
+    has_min: bool
+    signed_scales: bool
+    scale_bytes: int = GROUP * 2      # one scale byte per row and sub-block
+
+    @property
+    def max_rows(self):
+        return int(QGEMM_KIND_TILES[self.name]["avx2"].split("x")[0])
+
+    @property
+    def row_registers(self):
+        return 5 if self.has_min else 3
+
+
+Q6_K = K16Kind("q6_k", quant_bytes=2 * 3 * GROUP * CHUNK, super_bytes=GROUP * 2, offset=32, has_min=False,
+               signed_scales=True)
+Q3_K = K16Kind("q3_k", quant_bytes=3 * GROUP * CHUNK, super_bytes=GROUP * 2, offset=4, has_min=False,
+               signed_scales=True)
+Q2_K = K16Kind("q2_k", quant_bytes=2 * GROUP * CHUNK, super_bytes=2 * GROUP * 2, offset=0, has_min=True,
+               signed_scales=False)
+KINDS = (Q6_K, Q3_K, Q2_K)
+
+SIGNATURE = [("wq", "const uint8_t*"), ("wsc", "const uint8_t*"), ("wd", "const uint16_t*"),
+             ("aq", "const int8_t*"), ("ad", "const float*"), ("asum", "const float*"), ("out", "float*"),
+             ("m", "size_t"), ("n", "size_t"), ("kb", "size_t"), ("ldo", "size_t")]
+
+
+def kernel_symbol(kind, isa="avx2"):
+    return qgemm_symbol(kind.name, QGEMM_KIND_TILES[kind.name][isa], isa)
+
+
+def _bytes(*values):
+    """Four bytes as one little-endian dword (for Constant.uint32x8)."""
+    return sum(v << (8 * i) for i, v in enumerate(values))
+
+
+# vpshufb patterns: from dwords (s_0, s_1) (int16 each) to (s_0, s_0) and (s_1, s_1)
+FIRST_HALF = Constant.uint32x8(*[_bytes(4 * i, 4 * i + 1, 4 * i, 4 * i + 1) for i in range(4)] * 2)
+SECOND_HALF = Constant.uint32x8(*[_bytes(4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3) for i in range(4)] * 2)
+
+
+def _splat(byte):
+    return Constant.uint32x8(byte * 0x01010101)
+
+
+class Registers:
+    """qgemm.Registers' names (its tile loops use them) plus the super-block scale pointer."""
+
+    def __init__(self):
+        for name in ["wq", "wscale", "wd", "act", "act_scale", "act_sum", "out_row", "groups_left_cols",
+                     "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]:
+            setattr(self, name, GeneralPurposeRegister64())
+
+
+# --------------------------------------------------------------------------- driver
+
+def emit_qgemm(kind):
+    rows = kind.max_rows
+    tiling = qgemm.Tiling(full=(rows,), groups=1, remainders=tuple(range(1, rows)), exact=True)
+    fn, args = function(kernel_symbol(kind), SIGNATURE, "avx2")
+    a_wq, a_wsc, a_wd, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
+    with fn:
+        r = Registers()
+        act_base, scale_base, sum_base, m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(6))
+        # the block's sub-block scales as vpmaddwd operands: s_0 and s_1 (Q2_K: then m_0 and m_1)
+        r.scales = [LocalVariable(32, alignment=16) for _ in range(4 if kind.has_min else 2)]
+        LOAD.ARGUMENT(r.wq, a_wq)
+        LOAD.ARGUMENT(r.wscale, a_wsc)
+        LOAD.ARGUMENT(r.wd, a_wd)
+        for local, arg in ((act_base, a_aq), (scale_base, a_ad), (sum_base, a_asum), (m_rows, a_m),
+                           (out_group, a_out)):
+            LOAD.ARGUMENT(r.spare, arg)
+            MOV(local, r.spare)
+        LOAD.ARGUMENT(r.spare, a_ldo)
+        SHL(r.spare, 2)
+        MOV(ldo_bytes, r.spare)
+        LOAD.ARGUMENT(r.groups_left_cols, a_n)
+        LOAD.ARGUMENT(r.scale_stride, a_kb)
+        MOV(r.row_stride, r.scale_stride)
+        SHL(r.row_stride, 5)           # k bytes per activation row
+        SHL(r.scale_stride, 2)         # kb floats per activation scale row
+
+        with Loop() as groups:
+            MOV(r.act, act_base)
+            MOV(r.act_scale, scale_base)
+            MOV(r.act_sum, sum_base)
+            MOV(r.out_row, out_group)
+            MOV(r.rows_left, m_rows)
+            qgemm.emit_full_tiles(r, kind, rows, emit_tile, ldo_bytes)
+            qgemm.emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes)
+            for register, per_block in group_strides(kind):
+                per_block_bytes(r.spare, r.scale_stride, per_block)
+                ADD(register(r), r.spare)
+            ADD(out_group, GROUP * 4)
+            SUB(r.groups_left_cols, GROUP)
+            JG(groups.begin)
+        RETURN()
+    return Kernel(fn, "qgemm", "avx2", tile=QGEMM_KIND_TILES[kind.name]["avx2"], args=SIGNATURE)
+
+
+def group_strides(kind):
+    """(pointer, bytes per block of one group) of each weight array."""
+    return ((lambda r: r.wq, kind.quant_bytes), (lambda r: r.wscale, kind.scale_bytes),
+            (lambda r: r.wd, kind.super_bytes / BLOCKS_PER_SUPER))
+
+
+def per_block_bytes(target, scale_stride, per_block):
+    """target = kb * per_block from scale_stride = 4 kb (per_block: an integer, or a power-of-two fraction)."""
+    if per_block == int(per_block) and int(per_block) % 4 == 0:
+        qgemm.multiply(target, scale_stride, int(per_block) // 4)
+    else:
+        MOV(target, scale_stride)
+        SHR(target, 2)                  # kb
+        factor = int(per_block * 8)     # per_block = factor / 8 (super-block values)
+        assert factor * 8 == per_block * 64 and factor & (factor - 1) == 0, per_block
+        shift = factor.bit_length() - 1 - 3
+        if shift > 0:
+            SHL(target, shift)
+        elif shift < 0:
+            SHR(target, -shift)
+
+
+def advance_block(r, kind):
+    """Step every pointer to the next block; the super-block scales every 8 blocks.
+    (blocks_left counts down from kb, a multiple of 8.)"""
+    same_super = Label()
+    ADD(r.act, BLOCK)
+    ADD(r.act_scale, 4)
+    ADD(r.act_sum, 4)
+    ADD(r.wq, kind.quant_bytes)
+    ADD(r.wscale, kind.scale_bytes)
+    SUB(r.blocks_left, 1)
+    TEST(r.blocks_left, BLOCKS_PER_SUPER - 1)
+    JNZ(same_super)
+    ADD(r.wd, kind.super_bytes)
+    LABEL(same_super)
+
+
+def rewind_blocks(r, kind):
+    """Undo the block loop's pointer walk (k bytes of activations, kb blocks of weights)."""
+    SUB(r.act, r.row_stride)
+    SUB(r.act_scale, r.scale_stride)
+    SUB(r.act_sum, r.scale_stride)
+    for register, per_block in group_strides(kind):
+        per_block_bytes(r.spare, r.scale_stride, per_block)
+        SUB(register(r), r.spare)
+
+
+# --------------------------------------------------------------------------- tile
+
+class TileConstants:
+    """The block's vector constants: in the registers the tile leaves free, most used first."""
+
+    def __init__(self, kind, rows):
+        spare = YMM_COUNT - WORKING - kind.row_registers * rows
+        # vpmaddubsw takes its unsigned operand from a register: o (Q2_K: ones) always is one
+        self.offset = YMMRegister()
+        VMOVDQA(self.offset, _splat(kind.offset if kind.offset else 1))
+        wanted = ({"q6_k": {"low6": _splat(0x3F), "top2": _splat(0xC0)},
+                       "q3_k": {"low3": _splat(0x07), "bits37": _splat(0x88)},
+                       "q2_k": {"low2": _splat(0x03), "nibble": Constant.uint16x16(0x0F)}}[kind.name])
+        for name, constant in wanted.items():
+            if spare > 0:
+                register = YMMRegister()
+                VMOVDQA(register, constant)
+                constant, spare = register, spare - 1
+            setattr(self, name, constant)
+
+
+def masked_load(target, mask, address):
+    """target = [address] & mask (mask a register or a memory constant)."""
+    if isinstance(mask, YMMRegister):
+        VPAND(target, mask, [address])
+    else:
+        VMOVDQA(target, [address])
+        VPAND(target, target, mask)
+
+
+def masked(target, mask):
+    VPAND(target, target, mask)
+
+
+def emit_tile(r, kind, rows, ldo_bytes, name):
+    """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
+    consts = TileConstants(kind, rows)
+    totals = [YMMRegister() for _ in range(rows)]
+    for total in totals:
+        VXORPS(total, total, total)
+    MOV(r.blocks_left, r.scale_stride)
+    SHR(r.blocks_left, 2)
+    with Loop() as blocks:
+        if rows == 1:
+            # only the decode path streams; bigger tiles re-read the group from L1
+            for line in range(0, kind.quant_bytes, 64):
+                PREFETCHT0([r.wq + qgemm.PREFETCH_BYTES + line])
+        emit_block(r, kind, consts, totals)
+        advance_block(r, kind)
+        TEST(r.blocks_left, r.blocks_left)
+        JNZ(blocks.begin)
+    rewind_blocks(r, kind)
+    qgemm.store_tile_avx2(r, totals, ldo_bytes, name)
+
+
+def unpack_scales(r, kind, consts):
+    """The block's scale bytes (row-major: s_0, s_1 of row 0, ...) -> int16 pairs (s_h, s_h) per
+    row for each sub-block h (Q2_K: the mins' too), stored in r.scales."""
+    pairs, spread = YMMRegister(), YMMRegister()
+    if kind.signed_scales:
+        VPMOVSXBW(pairs, [r.wscale])
+        sources = [pairs]
+    else:
+        VPMOVZXBW(pairs, [r.wscale])
+        mins = YMMRegister()
+        VPSRLW(mins, pairs, 4)
+        masked(pairs, consts.nibble)
+        sources = [pairs, mins]
+    slots = iter(r.scales)
+    for source in sources:
+        for pattern in (FIRST_HALF, SECOND_HALF):
+            VPSHUFB(spread, source, pattern)
+            VMOVDQU(next(slots), spread)
+
+
+def chunks_q6_k(r, consts, half):
+    """Yield the 4 chunks of sub-block ``half`` (registers of 32 unsigned bytes), the last one first:
+    its bits lie in the top 2 bits of the three planes."""
+    base = 96 * half
+    last, part = YMMRegister(), YMMRegister()
+    for p in range(3):
+        target = last if p == 0 else part
+        if isinstance(consts.top2, YMMRegister):
+            VPAND(target, consts.top2, [r.wq + base + 32 * p])
+        else:
+            VMOVDQA(target, [r.wq + base + 32 * p])
+            VPAND(target, target, consts.top2)
+        if p > 0:
+            VPOR(last, last, part)
+        VPSRLW(last, last, 2)
+    yield last
+    for p in range(3):
+        chunk = YMMRegister()
+        masked_load(chunk, consts.low6, r.wq + base + 32 * p)
+        yield chunk
+
+
+def chunks_q3_k(r, consts, half):
+    """Planes 0 and 1 hold chunks 0-3 (low and high nibble, 3 bits each); plane 2 chunks 4 and 5;
+    bits 3 and 7 of the three planes, gathered, chunks 6 and 7."""
+    if half == 0:
+        planes = (0, 1)
+    else:
+        planes = (2,)
+    for p in planes:
+        chunk = YMMRegister()
+        masked_load(chunk, consts.low3, r.wq + 32 * p)
+        yield chunk
+        chunk = YMMRegister()
+        VMOVDQA(chunk, [r.wq + 32 * p])
+        VPSRLW(chunk, chunk, 4)
+        masked(chunk, consts.low3)
+        yield chunk
+    if half == 1:
+        gathered, part = YMMRegister(), YMMRegister()
+        for p in range(3):
+            target = gathered if p == 0 else part
+            masked_load(target, consts.bits37, r.wq + 32 * p)
+            if p > 0:
+                VPOR(gathered, gathered, part)
+            VPSRLW(gathered, gathered, 1)
+        chunk = YMMRegister()
+        VPAND(chunk, gathered, consts.low3)
+        yield chunk
+        VPSRLW(gathered, gathered, 4)
+        masked(gathered, consts.low3)
+        yield gathered
+
+
+def chunks_q2_k(r, consts, half):
+    """Plane ``half`` holds its 4 chunks in bits 2j..2j+1."""
+    for j in range(4):
+        chunk = YMMRegister()
+        if j == 0:
+            masked_load(chunk, consts.low2, r.wq + 32 * half)
+        else:
+            VMOVDQA(chunk, [r.wq + 32 * half])
+            VPSRLW(chunk, chunk, 2 * j)
+            masked(chunk, consts.low2)
+        yield chunk
+
+
+CHUNKS = {"q6_k": chunks_q6_k, "q3_k": chunks_q3_k, "q2_k": chunks_q2_k}
+
+
+def emit_block(r, kind, consts, totals):
+    """totals[i] += the block's contribution for each activation row i of the tile."""
+    rows = len(totals)
+    unpack_scales(r, kind, consts)
+    row = qgemm.RowAddresses(r.act, r.row_stride, r.spare, rows)
+    row.prepare()
+    blocks = [None] * rows          # int32 sum of s_h * (sub-block sums) per row
+    mins = [None] * rows            # Q2_K: int32 sum of m_h * (activation sub-block sums)
+    for half in range(2):
+        sums = [YMMRegister() for _ in range(rows)]
+        act_sums = [YMMRegister() for _ in range(rows)] if kind.has_min else None
+        for c, chunk in enumerate(CHUNKS[kind.name](r, consts, half)):
+            index = chunk_index(kind, half, c)
+            for i in range(rows):
+                bcast, product = YMMRegister(), YMMRegister()
+                VPBROADCASTD(bcast, row(i, CHUNK * index))
+                target = sums[i] if c == 0 else product
+                VPMADDUBSW(target, chunk, bcast)
+                if kind.offset:
+                    # sum (q - o) a in int16: subtract o * (a pair sums)
+                    VPMADDUBSW(bcast, consts.offset, bcast)
+                    VPSUBW(target, target, bcast)
+                elif kind.has_min:
+                    if c == 0:
+                        VPMADDUBSW(act_sums[i], consts.offset, bcast)
+                    else:
+                        VPMADDUBSW(bcast, consts.offset, bcast)
+                        VPADDW(act_sums[i], act_sums[i], bcast)
+                if c > 0:
+                    VPADDW(sums[i], sums[i], product)
+        for i in range(rows):
+            blocks[i] = accumulate_scaled(blocks[i], sums[i], r.scales[half])
+            if kind.has_min:
+                mins[i] = accumulate_scaled(mins[i], act_sums[i], r.scales[2 + half])
+    emit_block_scale(r, kind, blocks, mins, totals)
+
+
+def chunk_index(kind, half, c):
+    """The chunk (weights 4 index .. 4 index + 3 of the block) that CHUNKS yields c-th in ``half``."""
+    if kind is Q6_K:
+        return 4 * half + (3 if c == 0 else c - 1)
+    return 4 * half + c
+
+
+def accumulate_scaled(total, sums, scales):
+    """total (int32, or None) + vpmaddwd(sums, scales)."""
+    if total is None:
+        VPMADDWD(sums, sums, scales)
+        return sums
+    VPMADDWD(sums, sums, scales)
+    VPADDD(total, total, sums)
+    return total
+
+
+def emit_block_scale(r, kind, blocks, mins, totals):
+    """totals[i] += (d * d_a[i]) * blocks[i]  (- (dmin * d_a[i]) * mins[i])."""
+    scales = qgemm.RowAddresses(r.act_scale, r.scale_stride, r.spare, len(totals))
+    scales.prepare()
+    d_w, factor = YMMRegister(), YMMRegister()
+    VCVTPH2PS(d_w, [r.wd])
+    for i, total in enumerate(totals):
+        VCVTDQ2PS(blocks[i], blocks[i])
+        VBROADCASTSS(factor, scales(i))
+        VMULPS(factor, factor, d_w)
+        VFMADD231PS(total, blocks[i], factor)
+    if not kind.has_min:
+        return
+    VCVTPH2PS(d_w, [r.wd + GROUP * 2])
+    for i, total in enumerate(totals):
+        VCVTDQ2PS(mins[i], mins[i])
+        VBROADCASTSS(factor, scales(i))
+        VMULPS(factor, factor, d_w)
+        VFNMADD231PS(total, mins[i], factor)
+
+
+def emit(isa):
+    return [emit_qgemm(kind) for kind in KINDS]

@@ -72,7 +72,8 @@ QUANT_ARRAYS = {
 # Register tiles of the qgemm kernels whose tile differs from their ISA's default
 # (runtime/native/quant.py QGEMM_TILES), by kind and ISA.
 # A kind listed here has kernels for the ISAs listed, and only those.
-QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8"}, "q3_k": {"avx2": "3x8"}, "q2_k": {"avx2": "2x8"}}
+QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8", "avx512": "16x16"}, "q3_k": {"avx2": "3x8", "avx512": "16x16"},
+                    "q2_k": {"avx2": "2x8", "avx512": "16x16"}}
 
 
 def block_multiple(kind):

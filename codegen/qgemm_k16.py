@@ -35,17 +35,20 @@ run smaller copies, and constants live in the registers a tile leaves free
 from dataclasses import dataclass
 
 from peachpy import Constant
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, JG, JNZ, VMOVDQA, VMOVDQU,
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
+                            LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, CMP, JA, JG, JNZ, XOR, VMOVDQA, VMOVDQU,
+                            VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD, VPERMI2D, VPMOVZXWD,
+                            VINSERTI128, VMOVUPS,
                             VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
                             VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
                             VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
 
 from . import qgemm
 from .common import Kernel, function
+from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 from .contract import BLOCK, CHUNK, GROUP, SUPER_BLOCK, QGEMM_KIND_TILES, qgemm_symbol
 
-ISAS = ("avx2",)
+ISAS = ("avx2", "avx512")
 YMM_COUNT = 16
 WORKING = 5                 # chunk, temporary, broadcast, product, and the offset (or ones) constant
 BLOCKS_PER_SUPER = SUPER_BLOCK // BLOCK
@@ -104,29 +107,43 @@ def _splat(byte):
 class Registers:
     """qgemm.Registers' names (its tile loops use them) plus the super-block scale pointer."""
 
-    def __init__(self):
-        for name in ["wq", "wscale", "wd", "act", "act_scale", "act_sum", "out_row", "groups_left_cols",
-                     "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]:
+    def __init__(self, paired=False):
+        names = ["wq", "wscale", "wd", "act", "act_scale", "out_row", "groups_left_cols",
+                 "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]
+        # these kernels do not read asum, but qgemm.advance_rows steps it: a dummy in the frame
+        self.act_sum = LocalVariable(8)
+        if paired:
+            # offsets from group g's quants / scales to group g + 1's (0 for a lone last group);
+            # its super-block scales are pair_scales / (scale_bytes * 8 / super_bytes) further
+            names += ["pair_quants", "pair_scales"]
+        for name in names:
             setattr(self, name, GeneralPurposeRegister64())
 
 
 # --------------------------------------------------------------------------- driver
 
-def emit_qgemm(kind):
-    rows = kind.max_rows
-    tiling = qgemm.Tiling(full=(rows,), groups=1, remainders=tuple(range(1, rows)), exact=True)
-    fn, args = function(kernel_symbol(kind), SIGNATURE, "avx2")
+def emit_qgemm(kind, isa):
+    if isa == "avx2":
+        rows = kind.max_rows
+        tiling = qgemm.Tiling(full=(rows,), groups=1, remainders=tuple(range(1, rows)), exact=True)
+        fn, args = function(kernel_symbol(kind, isa), SIGNATURE, isa)
+        tile, vector_bytes = emit_tile, 32
+    else:
+        tiling = AVX512_TILING
+        fn, args = upper_zmm_function(kernel_symbol(kind, isa), SIGNATURE, isa)
+        tile, vector_bytes = emit_tile_avx512, 64
     a_wq, a_wsc, a_wd, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
     with fn:
-        r = Registers()
-        act_base, scale_base, sum_base, m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(6))
-        # the block's sub-block scales as vpmaddwd operands: s_0 and s_1 (Q2_K: then m_0 and m_1)
-        r.scales = [LocalVariable(32, alignment=16) for _ in range(4 if kind.has_min else 2)]
+        r = Registers(paired=tiling.groups > 1)
+        act_base, scale_base, m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(5))
+        # the block's sub-block scales, s_0 and s_1 (Q2_K: then m_0 and m_1): vpmaddwd operands
+        # (AVX2: int16 pairs), or f32 multipliers (AVX-512)
+        r.scales = [LocalVariable(vector_bytes, alignment=16) for _ in range(4 if kind.has_min else 2)]
+        r.dmin = LocalVariable(64, alignment=16)         # AVX-512 Q2_K: the block's dmin per column
         LOAD.ARGUMENT(r.wq, a_wq)
         LOAD.ARGUMENT(r.wscale, a_wsc)
         LOAD.ARGUMENT(r.wd, a_wd)
-        for local, arg in ((act_base, a_aq), (scale_base, a_ad), (sum_base, a_asum), (m_rows, a_m),
-                           (out_group, a_out)):
+        for local, arg in ((act_base, a_aq), (scale_base, a_ad), (m_rows, a_m), (out_group, a_out)):
             LOAD.ARGUMENT(r.spare, arg)
             MOV(local, r.spare)
         LOAD.ARGUMENT(r.spare, a_ldo)
@@ -141,19 +158,21 @@ def emit_qgemm(kind):
         with Loop() as groups:
             MOV(r.act, act_base)
             MOV(r.act_scale, scale_base)
-            MOV(r.act_sum, sum_base)
             MOV(r.out_row, out_group)
             MOV(r.rows_left, m_rows)
-            qgemm.emit_full_tiles(r, kind, rows, emit_tile, ldo_bytes)
-            qgemm.emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes)
+            if tiling.groups > 1:
+                set_pair_offsets(r, kind)
+            for i, rows in enumerate(tiling.full):
+                qgemm.emit_full_tiles(r, kind, rows, tile, ldo_bytes)
+            qgemm.emit_remainder_tiles(r, kind, tiling, tile, ldo_bytes)
             for register, per_block in group_strides(kind):
-                per_block_bytes(r.spare, r.scale_stride, per_block)
+                per_block_bytes(r.spare, r.scale_stride, per_block * tiling.groups)
                 ADD(register(r), r.spare)
-            ADD(out_group, GROUP * 4)
-            SUB(r.groups_left_cols, GROUP)
+            ADD(out_group, tiling.columns * 4)
+            SUB(r.groups_left_cols, tiling.columns)
             JG(groups.begin)
         RETURN()
-    return Kernel(fn, "qgemm", "avx2", tile=QGEMM_KIND_TILES[kind.name]["avx2"], args=SIGNATURE)
+    return Kernel(fn, "qgemm", isa, tile=QGEMM_KIND_TILES[kind.name][isa], args=SIGNATURE)
 
 
 def group_strides(kind):
@@ -184,7 +203,6 @@ def advance_block(r, kind):
     same_super = Label()
     ADD(r.act, BLOCK)
     ADD(r.act_scale, 4)
-    ADD(r.act_sum, 4)
     ADD(r.wq, kind.quant_bytes)
     ADD(r.wscale, kind.scale_bytes)
     SUB(r.blocks_left, 1)
@@ -198,7 +216,6 @@ def rewind_blocks(r, kind):
     """Undo the block loop's pointer walk (k bytes of activations, kb blocks of weights)."""
     SUB(r.act, r.row_stride)
     SUB(r.act_scale, r.scale_stride)
-    SUB(r.act_sum, r.scale_stride)
     for register, per_block in group_strides(kind):
         per_block_bytes(r.spare, r.scale_stride, per_block)
         SUB(register(r), r.spare)
@@ -425,4 +442,198 @@ def emit_block_scale(r, kind, blocks, mins, totals):
 
 
 def emit(isa):
-    return [emit_qgemm(kind) for kind in KINDS]
+    return [emit_qgemm(kind, isa) for kind in KINDS]
+
+
+# --------------------------------------------------------------------------- AVX-512 (VNNI)
+#
+# As codegen/qgemm.py's AVX-512 kernel: one zmm holds a chunk of two row groups (g's 32
+# bytes, then g + 1's), 16 columns; the block's 8 chunks stay in registers while the tile's
+# activation rows pass one at a time, each chunk one ``vpdpbusd`` (unsigned quants x the
+# activation's 4 bytes, broadcast from memory) into its sub-block's int32 sum; a second
+# ``vpdpbusd`` of o (Q2_K: ones) with the same bytes sums the offset (the activation sum).
+# Then X = s_0 (U_0 - M_0) + s_1 (U_1 - M_1) in f32 (scales as f32 per column): every
+# product and the sum are integers below 2^24, so X is exact and equal to the AVX2
+# kernel's; the f32 operations after it are the AVX2 kernel's too, so both variants agree
+# bit for bit.
+
+AVX512_TILING = qgemm.Tiling(full=(16, 8), groups=2, remainders=(4, 2, 1), exact=False)
+# vpermi2d indices (as words: PeachPy takes one constant size per function, and the tile
+# stores use 32-byte ones): the even / odd dwords of two tables
+EVEN_DWORDS = Constant.uint16x16(*range(0, 32, 2))
+ODD_DWORDS = Constant.uint16x16(*range(1, 32, 2))
+
+
+def set_pair_offsets(r, kind):
+    """Group g + 1 is kb blocks after group g; a lone last group pairs with itself."""
+    paired = Label("paired")
+    qgemm.multiply(r.pair_quants, r.scale_stride, kind.quant_bytes // 4)
+    qgemm.multiply(r.pair_scales, r.scale_stride, kind.scale_bytes // 4)
+    CMP(r.groups_left_cols, GROUP)
+    JA(paired)
+    XOR(r.pair_quants, r.pair_quants)
+    XOR(r.pair_scales, r.pair_scales)
+    LABEL(paired)
+
+
+def pair_super_offset(r, kind):
+    """r.spare = the offset from group g's super-block scales to group g + 1's."""
+    ratio = kind.scale_bytes * BLOCKS_PER_SUPER // kind.super_bytes     # 8 or 4
+    MOV(r.spare, r.pair_scales)
+    SHR(r.spare, ratio.bit_length() - 1)
+
+
+def unpack_scales_avx512(r, kind):
+    """Sub-block scales (Q2_K: and mins) of both groups as f32 per column, into r.scales."""
+    first, second = ZMMRegister(), ZMMRegister()
+    load = VPMOVSXBD if kind.signed_scales else VPMOVZXBD
+    load(first, [r.wscale])                       # 16 dwords: s_0, s_1 of row 0, ...
+    load(second, [r.wscale + r.pair_scales * 1])
+    sources = [(first, second)]
+    if kind.has_min:
+        nibble = broadcast_constant_zmm(r, 0x0F)
+        mins = ZMMRegister(), ZMMRegister()
+        for low, high in zip((first, second), mins):
+            VPSRLD(high, low, 4)
+            VPANDD(low, low, nibble)
+        sources.append(mins)
+    slots = iter(r.scales)
+    for a, b in sources:
+        for pattern in (EVEN_DWORDS, ODD_DWORDS):
+            picked = ZMMRegister()
+            VPMOVZXWD(picked, pattern)
+            VPERMI2D(picked, a, b)
+            VCVTDQ2PS(picked, picked)
+            VMOVUPS(next(slots), picked)
+
+
+def broadcast_constant_zmm(r, byte_or_dword, bytes_=False):
+    register = ZMMRegister()
+    MOV(r.spare.as_dword, byte_or_dword * 0x01010101 if bytes_ else byte_or_dword)
+    VPBROADCASTD(register, r.spare.as_dword)
+    return register
+
+
+def super_scales_avx512(r, kind, field):
+    """Group g's then g + 1's f16 super-block scales (``field`` 0: d, 1: dmin) as f32."""
+    halves, values = YMMRegister(), ZMMRegister()
+    pair_super_offset(r, kind)
+    VMOVDQU(halves.as_xmm, [r.wd + GROUP * 2 * field])
+    VINSERTI128(halves, halves, [r.wd + r.spare * 1 + GROUP * 2 * field], 1)
+    VCVTPH2PS(values, halves)
+    return values
+
+
+def chunks_avx512(r, kind):
+    """The block's 8 chunks of both groups (zmm), in chunk order."""
+    if kind is Q6_K:
+        top2, low6 = broadcast_constant_zmm(r, 0xC0, True), broadcast_constant_zmm(r, 0x3F, True)
+        chunks = []
+        for half in range(2):
+            planes = [ZMMRegister() for _ in range(3)]
+            for p, plane in enumerate(planes):
+                qgemm.load_pair(r, plane, 96 * half + 32 * p)
+            last, part = ZMMRegister(), ZMMRegister()
+            for p, plane in enumerate(planes):
+                VPANDD(last if p == 0 else part, plane, top2)
+                if p > 0:
+                    VPORD(last, last, part)
+                VPSRLW(last, last, 2)
+            for plane in planes:
+                VPANDD(plane, plane, low6)
+            chunks += planes + [last]
+        return chunks
+    if kind is Q3_K:
+        bits37, low3 = broadcast_constant_zmm(r, 0x88, True), broadcast_constant_zmm(r, 0x07, True)
+        planes = [ZMMRegister() for _ in range(3)]
+        for p, plane in enumerate(planes):
+            qgemm.load_pair(r, plane, 32 * p)
+        gathered, part = ZMMRegister(), ZMMRegister()
+        for p, plane in enumerate(planes):
+            VPANDD(gathered if p == 0 else part, plane, bits37)
+            if p > 0:
+                VPORD(gathered, gathered, part)
+            VPSRLW(gathered, gathered, 1)
+        six = ZMMRegister()
+        VPANDD(six, gathered, low3)
+        VPSRLW(gathered, gathered, 4)
+        VPANDD(gathered, gathered, low3)
+        chunks = []
+        for plane in planes:
+            high = ZMMRegister()
+            VPSRLW(high, plane, 4)
+            VPANDD(high, high, low3)
+            VPANDD(plane, plane, low3)
+            chunks += [plane, high]
+        return chunks + [six, gathered]
+    low2 = broadcast_constant_zmm(r, 0x03, True)
+    chunks = []
+    for p in range(2):
+        plane = ZMMRegister()
+        qgemm.load_pair(r, plane, 32 * p)
+        fields = [plane]
+        for j in range(1, 4):
+            field = ZMMRegister()
+            VPSRLW(field, plane, 2 * j)
+            VPANDD(field, field, low2)
+            fields.append(field)
+        VPANDD(plane, plane, low2)
+        chunks += fields
+    return chunks
+
+
+def emit_row_avx512(r, kind, chunks, offset, d_w, total):
+    """total += the block's contribution of the activation row at ``r.spare`` (counted in
+    scale-row units: its bytes start at act + 8 * spare)."""
+    sums = [ZMMRegister() for _ in range(2)]
+    offsets = [ZMMRegister() for _ in range(2)]
+    for register in sums + offsets:
+        qgemm.zero(register)
+    for c, chunk in enumerate(chunks):
+        a = broadcast([r.act + r.spare * 8 + CHUNK * c])
+        VPDPBUSD(sums[c // 4], chunk, a)
+        VPDPBUSD(offsets[c // 4], offset, a)
+    scale = ZMMRegister()
+    if kind.offset:
+        for h in range(2):
+            VPSUBD(sums[h], sums[h], offsets[h])
+    for h in range(2):
+        VCVTDQ2PS(sums[h], sums[h])
+    VMULPS(sums[0], sums[0], r.scales[0])
+    VFMADD231PS(sums[0], sums[1], r.scales[1])          # exact: see above
+    VMULPS(scale, d_w, broadcast([r.act_scale + r.spare * 1]))
+    VFMADD231PS(total, sums[0], scale)
+    if kind.has_min:
+        for h in range(2):
+            VCVTDQ2PS(offsets[h], offsets[h])
+        VMULPS(offsets[0], offsets[0], r.scales[2])
+        VFMADD231PS(offsets[0], offsets[1], r.scales[3])
+        VMOVUPS(scale, r.dmin)
+        VMULPS(scale, scale, broadcast([r.act_scale + r.spare * 1]))
+        VFNMADD231PS(total, offsets[0], scale)
+
+
+def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
+    """out[rows x 16] of the current group pair and row tile; leaves the pointers where it found them."""
+    totals = qgemm.TOTALS[:rows]
+    for total in totals:
+        qgemm.zero(total)
+    MOV(r.blocks_left, r.scale_stride)
+    SHR(r.blocks_left, 2)
+    with Loop() as blocks:
+        unpack_scales_avx512(r, kind)
+        d_w = super_scales_avx512(r, kind, 0)
+        if kind.has_min:
+            VMOVUPS(r.dmin, super_scales_avx512(r, kind, 1))
+        chunks = chunks_avx512(r, kind)
+        offset = broadcast_constant_zmm(r, kind.offset if kind.offset else 1, True)
+        XOR(r.spare, r.spare)
+        for i, total in enumerate(totals):
+            emit_row_avx512(r, kind, chunks, offset, d_w, total)
+            if i + 1 < rows:
+                ADD(r.spare, r.scale_stride)
+        advance_block(r, kind)
+        TEST(r.blocks_left, r.blocks_left)
+        JNZ(blocks.begin)
+    rewind_blocks(r, kind)
+    qgemm.store_tile_avx512(r, totals, ldo_bytes, name)

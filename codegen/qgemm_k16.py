@@ -240,6 +240,8 @@ class TileConstants:
                 VMOVDQA(register, constant)
                 constant, spare = register, spare - 1
             setattr(self, name, constant)
+        # the block's unpacked scales stay in registers if they fit (else in the stack frame)
+        self.scales_in_registers = spare >= (4 if kind.has_min else 2)
 
 
 def masked_load(target, mask, address):
@@ -278,8 +280,8 @@ def emit_tile(r, kind, rows, ldo_bytes, name):
 
 def unpack_scales(r, kind, consts):
     """The block's scale bytes (row-major: s_0, s_1 of row 0, ...) -> int16 pairs (s_h, s_h) per
-    row for each sub-block h (Q2_K: the mins' too), stored in r.scales."""
-    pairs, spread = YMMRegister(), YMMRegister()
+    row for each sub-block h (Q2_K: the mins' too), in registers or stored in r.scales."""
+    pairs = YMMRegister()
     if kind.signed_scales:
         VPMOVSXBW(pairs, [r.wscale])
         sources = [pairs]
@@ -290,10 +292,20 @@ def unpack_scales(r, kind, consts):
         masked(pairs, consts.nibble)
         sources = [pairs, mins]
     slots = iter(r.scales)
+    spread, unpacked = None, []
     for source in sources:
         for pattern in (FIRST_HALF, SECOND_HALF):
-            VPSHUFB(spread, source, pattern)
-            VMOVDQU(next(slots), spread)
+            if consts.scales_in_registers:
+                spread = YMMRegister()
+                VPSHUFB(spread, source, pattern)
+                unpacked.append(spread)
+            else:
+                spread = spread or YMMRegister()
+                VPSHUFB(spread, source, pattern)
+                slot = next(slots)
+                VMOVDQU(slot, spread)
+                unpacked.append(slot)
+    return unpacked
 
 
 def chunks_q6_k(r, consts, half):
@@ -369,7 +381,7 @@ CHUNKS = {"q6_k": chunks_q6_k, "q3_k": chunks_q3_k, "q2_k": chunks_q2_k}
 def emit_block(r, kind, consts, totals):
     """totals[i] += the block's contribution for each activation row i of the tile."""
     rows = len(totals)
-    unpack_scales(r, kind, consts)
+    scales = unpack_scales(r, kind, consts)
     row = qgemm.RowAddresses(r.act, r.row_stride, r.spare, rows)
     row.prepare()
     blocks = [None] * rows          # int32 sum of s_h * (sub-block sums) per row
@@ -397,9 +409,9 @@ def emit_block(r, kind, consts, totals):
                 if c > 0:
                     VPADDW(sums[i], sums[i], product)
         for i in range(rows):
-            blocks[i] = accumulate_scaled(blocks[i], sums[i], r.scales[half])
+            blocks[i] = accumulate_scaled(blocks[i], sums[i], scales[half])
             if kind.has_min:
-                mins[i] = accumulate_scaled(mins[i], act_sums[i], r.scales[2 + half])
+                mins[i] = accumulate_scaled(mins[i], act_sums[i], scales[2 + half])
     emit_block_scale(r, kind, blocks, mins, totals)
 
 

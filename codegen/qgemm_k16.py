@@ -38,7 +38,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
                             LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, CMP, JA, JG, JNZ, XOR, VMOVDQA, VMOVDQU,
                             VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD, VPERMI2D, VPMOVZXWD,
-                            VINSERTI128, VMOVUPS,
+                            VINSERTI128, VBROADCASTI128, VPSHUFD, VMOVUPS,
                             VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
                             VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
                             VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
@@ -388,31 +388,37 @@ def emit_block(r, kind, consts, totals):
     mins = [None] * rows            # Q2_K: int32 sum of m_h * (activation sub-block sums)
     for half in range(2):
         sums = [YMMRegister() for _ in range(rows)]
-        act_sums = [YMMRegister() for _ in range(rows)] if kind.has_min else None
         for c, chunk in enumerate(CHUNKS[kind.name](r, consts, half)):
             index = chunk_index(kind, half, c)
             for i in range(rows):
                 bcast, product = YMMRegister(), YMMRegister()
                 VPBROADCASTD(bcast, row(i, CHUNK * index))
-                target = sums[i] if c == 0 else product
-                VPMADDUBSW(target, chunk, bcast)
-                if kind.offset:
-                    # sum (q - o) a in int16: subtract o * (a pair sums)
-                    VPMADDUBSW(bcast, consts.offset, bcast)
-                    VPSUBW(target, target, bcast)
-                elif kind.has_min:
-                    if c == 0:
-                        VPMADDUBSW(act_sums[i], consts.offset, bcast)
-                    else:
-                        VPMADDUBSW(bcast, consts.offset, bcast)
-                        VPADDW(act_sums[i], act_sums[i], bcast)
+                VPMADDUBSW(sums[i] if c == 0 else product, chunk, bcast)
                 if c > 0:
                     VPADDW(sums[i], sums[i], product)
         for i in range(rows):
+            activation = activation_sums(row(i, BLOCK // 2 * half), consts.offset)
+            if kind.offset:
+                VPSUBW(sums[i], sums[i], activation)
             blocks[i] = accumulate_scaled(blocks[i], sums[i], scales[half])
             if kind.has_min:
-                mins[i] = accumulate_scaled(mins[i], act_sums[i], scales[2 + half])
+                mins[i] = accumulate_scaled(mins[i], activation, scales[2 + half])
     emit_block_scale(r, kind, blocks, mins, totals)
+
+
+def activation_sums(address, multiplier):
+    """multiplier * the sub-block's 16 activations summed in int16, as the word pairs the
+    sub-block sums have: (sum over its chunks c of o (a_4c + a_4c+1), ... (a_4c+2 + a_4c+3))
+    in every dword. (The sub-block sums may wrap in int16 on the way; their difference is
+    sum (q - o) a, at most 8 * 32 * 127 = 32512 a word, so it comes out exact.)"""
+    total, swapped = YMMRegister(), YMMRegister()
+    VBROADCASTI128(total, address)
+    VPMADDUBSW(total, multiplier, total)
+    VPSHUFD(swapped, total, 0b01_00_11_10)
+    VPADDW(total, total, swapped)
+    VPSHUFD(swapped, total, 0b10_11_00_01)
+    VPADDW(total, total, swapped)
+    return total
 
 
 def chunk_index(kind, half, c):

@@ -26,7 +26,8 @@ TYPES = ["Q6_K", "Q3_K", "Q2_K"]
 KINDS = {"Q6_K": "q6_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}
 BLOCK, GROUP, SUPER = 32, 8, 256
 MODELS = Path("/work/models")
-# AVX2 tiles: 3 activation rows for q6_k / q3_k, 2 for q2_k (codegen/qgemm_k16.py)
+# Tiles (codegen/qgemm_k16.py): AVX2 3 activation rows x 8 columns for q6_k / q3_k, 2 x 8
+# for q2_k, remainders of fewer rows; AVX-512 16 x 16, then 8, 4, 2, 1 rows, a lone group
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 16, 17]) | st.integers(1, 24)
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 33]) | st.integers(1, 60)
 k_sizes = st.sampled_from([256, 512, 768, 1280])
@@ -148,10 +149,13 @@ def test_pack_rejects_bad_tensors():
 
 # --------------------------------------------------------------------------- kernels
 
-@pytest.fixture(scope="module")
-def isa(native):
-    """The ISAs with kernels for these kinds (AVX2 only, for now)."""
-    return "avx2"
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def isa(request, native):
+    """Every qgemm variant this CPU runs for these kinds; the others are skipped (and say so)."""
+    from llambda.runtime.native import quant as n_quant
+    if any(request.param not in n_quant.qgemm_isas(kind) for kind in KINDS.values()):
+        pytest.skip(f"this CPU does not run the {request.param} qgemm kernels")
+    return request.param
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
@@ -162,25 +166,41 @@ def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, st.integers(1, 50), st.sampled_from([256, 512]))
-def test_qgemm_row_range_writes_only_its_columns(native, ref, data, type_name, m, n, k):
+def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
+    """Threads split the columns at multiples of 8: a range may start at an odd row group."""
     raw, w = drawn_weight(data.draw, type_name, n, k)
     x = float_arrays(data.draw, (m, k))
     n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
     n1 = data.draw(st.integers(n0 + 1, n))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, rows=(n0, n1))
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, rows=(n0, n1), isa=isa)
 
 
-@given(st.data(), st.sampled_from(TYPES), st.integers(2, 9), st.integers(1, 20))
-def test_qgemm_on_row_slices(native, ref, data, type_name, m, n):
+@given(st.data(), st.sampled_from(TYPES), st.integers(2, 20), st.integers(1, 20))
+def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n):
     k = 256
     raw, w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
     first = data.draw(st.integers(1, m - 1))
-    assert_qgemm_close(native, ref, qs[first:], d[first:], s[first:], w, raw, type_name)
+    assert_qgemm_close(native, ref, qs[first:], d[first:], s[first:], w, raw, type_name, isa=isa)
+
+
+@given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
+def test_qgemm_variants_agree_bit_for_bit(native, data, type_name, m, n, k):
+    """Both variants sum exact integer block sums with the same f32 operations in k order
+    (codegen/qgemm_k16.py): a row's result does not depend on which kernel computed it."""
+    from llambda.runtime.native import quant as n_quant
+    if "avx512" not in n_quant.qgemm_isas(KINDS[type_name]):
+        pytest.skip("this CPU does not run the avx512 qgemm kernels")
+    _, w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
+    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, baseline, isa="avx2")
+    native.qgemm(qs, d, s, w, got, isa="avx512")
+    np.testing.assert_array_equal(got, baseline)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_extreme_quants_and_scales_do_not_overflow(native, ref, type_name):
+def test_extreme_quants_and_scales_do_not_overflow(native, ref, isa, type_name):
     """Every quant at its maximum (or 0), scales at their extremes, activations at +-127:
     the int16 pair sums and int32 block sums stay exact."""
     n, k, m = 16, 512, 4
@@ -204,12 +224,12 @@ def test_extreme_quants_and_scales_do_not_overflow(native, ref, type_name):
     x[2, ::2] = -1.0
     qs, d, s = quantized(native, x)
     assert np.abs(qs).max() == 127
-    assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name)
+    assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name, isa=isa)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("n", [8, 17, 24])
-def test_qgemm_reads_nothing_past_the_weight(native, ref, type_name, n):
+def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     """The last row group ends at an unreadable page (k = 512: every array is a multiple of
     32 bytes, so its copy there starts aligned)."""
     m, k = 4, 512
@@ -218,7 +238,7 @@ def test_qgemm_reads_nothing_past_the_weight(native, ref, type_name, n):
     w = layouts.pack(type_name, raw, n, k)
     w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
     x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name)
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, isa=isa)
 
 
 def test_qgemm_rejects_bad_arguments(native):
@@ -234,8 +254,8 @@ def test_qgemm_rejects_bad_arguments(native):
         native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=w.arrays["qs"].view(np.int8))), out)
     with pytest.raises(ValueError, match="w: has k = 256 but the activations have k = 512"):
         native.qgemm(buffers.zeros((m, 512), np.int8), buffers.zeros((m, 16)), buffers.zeros((m, 16)), w, out)
-    with pytest.raises(ValueError, match="isa: expected one of avx2 .*kind q6_k.*got 'avx512'"):
-        native.qgemm(qs, d, s, w, out, isa="avx512")
+    with pytest.raises(ValueError, match="isa: expected one of avx2.*kind q6_k.*got 'avx1024'"):
+        native.qgemm(qs, d, s, w, out, isa="avx1024")
     native.qgemm(qs, d, s, w, out)
     np.testing.assert_array_equal(out, 0)
 

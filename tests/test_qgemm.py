@@ -172,8 +172,8 @@ def test_pack_rejects_bad_tensors():
         layouts.pack("Q4_1", raw, 4, 48)
     with pytest.raises(ValueError, match="expected 4 rows of 40 bytes"):
         layouts.pack("Q4_1", raw, 4, 64)
-    with pytest.raises(ValueError, match="Q2_K is not supported"):
-        layouts.pack("Q2_K", raw, 4, 32)
+    with pytest.raises(ValueError, match="IQ4_NL is not supported"):
+        layouts.pack("IQ4_NL", raw, 4, 32)
     huge = np.zeros((1, 18), np.uint8)
     huge[0, :2] = np.array([30000], np.float16).view(np.uint8)
     with pytest.raises(ValueError, match="too large"):

@@ -38,7 +38,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
                             LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, CMP, JA, JG, JNZ, XOR, VMOVDQA, VMOVDQU,
                             VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD, VPERMI2D, VPMOVZXWD,
-                            VINSERTI128, VBROADCASTI128, VPSHUFD, VMOVUPS,
+                            VINSERTI128, VPERM2I128, VPSHUFD, VMOVUPS,
                             VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
                             VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
                             VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
@@ -386,34 +386,37 @@ def emit_block(r, kind, consts, totals):
     row.prepare()
     blocks = [None] * rows          # int32 sum of s_h * (sub-block sums) per row
     mins = [None] * rows            # Q2_K: int32 sum of m_h * (activation sub-block sums)
+    sums = [[YMMRegister() for _ in range(rows)] for _ in range(2)]     # int16, per sub-block and row
     for half in range(2):
-        sums = [YMMRegister() for _ in range(rows)]
         for c, chunk in enumerate(CHUNKS[kind.name](r, consts, half)):
             index = chunk_index(kind, half, c)
             for i in range(rows):
                 bcast, product = YMMRegister(), YMMRegister()
                 VPBROADCASTD(bcast, row(i, CHUNK * index))
-                VPMADDUBSW(sums[i] if c == 0 else product, chunk, bcast)
+                VPMADDUBSW(sums[half][i] if c == 0 else product, chunk, bcast)
                 if c > 0:
-                    VPADDW(sums[i], sums[i], product)
-        for i in range(rows):
-            activation = activation_sums(row(i, BLOCK // 2 * half), consts.offset)
+                    VPADDW(sums[half][i], sums[half][i], product)
+    for i in range(rows):
+        both = activation_sums(row(i), consts.offset)
+        for half in range(2):
+            activation = YMMRegister()
+            VPERM2I128(activation, both, both, 0x11 * half)      # sub-block half's, in both lanes
             if kind.offset:
-                VPSUBW(sums[i], sums[i], activation)
-            blocks[i] = accumulate_scaled(blocks[i], sums[i], scales[half])
+                VPSUBW(sums[half][i], sums[half][i], activation)
+            blocks[i] = accumulate_scaled(blocks[i], sums[half][i], scales[half])
             if kind.has_min:
                 mins[i] = accumulate_scaled(mins[i], activation, scales[2 + half])
     emit_block_scale(r, kind, blocks, mins, totals)
 
 
 def activation_sums(address, multiplier):
-    """multiplier * the sub-block's 16 activations summed in int16, as the word pairs the
+    """multiplier * each sub-block's 16 activations summed in int16, as the word pairs the
     sub-block sums have: (sum over its chunks c of o (a_4c + a_4c+1), ... (a_4c+2 + a_4c+3))
-    in every dword. (The sub-block sums may wrap in int16 on the way; their difference is
-    sum (q - o) a, at most 8 * 32 * 127 = 32512 a word, so it comes out exact.)"""
+    in every dword of the lane of that sub-block (the block's 32 bytes: one sub-block a lane).
+    (The sub-block sums may wrap in int16 on the way; their difference is sum (q - o) a, at
+    most 8 * 32 * 127 = 32512 a word, so it comes out exact.)"""
     total, swapped = YMMRegister(), YMMRegister()
-    VBROADCASTI128(total, address)
-    VPMADDUBSW(total, multiplier, total)
+    VPMADDUBSW(total, multiplier, address)
     VPSHUFD(swapped, total, 0b01_00_11_10)
     VPADDW(total, total, swapped)
     VPSHUFD(swapped, total, 0b10_11_00_01)

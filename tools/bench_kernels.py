@@ -64,6 +64,7 @@ def _random_weight(kind, n, k, rng):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the 4096x4096 and 49152x576 shapes")
+    ap.add_argument("--kinds", help=f"comma-separated subset of {','.join(KINDS)}")
     args = ap.parse_args(argv)
 
     from llambda.runtime import buffers, ceilings, get_backend, layouts
@@ -85,7 +86,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     shapes = SHAPES[:3] if args.quick else SHAPES
     for n, k in shapes:
-        for kind in KINDS:
+        for kind in (args.kinds.split(",") if args.kinds else KINDS):
             if kind in RANDOM_BLOCK_KINDS and k % 256:
                 continue
             w = _random_weight(kind, n, k, rng)

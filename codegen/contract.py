@@ -73,7 +73,7 @@ QUANT_ARRAYS = {
 # (runtime/native/quant.py QGEMM_TILES), by kind and ISA.
 # A kind listed here has kernels for the ISAs listed, and only those.
 QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8", "avx512": "16x16"}, "q3_k": {"avx2": "3x8", "avx512": "16x16"},
-                    "q2_k": {"avx2": "2x8", "avx512": "16x16"}}
+                    "q2_k": {"avx2": "3x8", "avx512": "16x16"}}
 
 
 def block_multiple(kind):

@@ -1,13 +1,14 @@
 """Quantized-weight GEMM for the K-quants with 16-weight sub-blocks: Q6_K, Q3_K, Q2_K weights x Q8 activations.
 
     llb_qgemm_<kind>_q8_<R>x8__avx2(wq, wsc, wd, aq, ad, asum, out, m, n, kb, ldo)
+    llb_qgemm_<kind>_q8_16x16__avx512(...)       same arguments, same weight layout
 
 The weight arrays are runtime/layout_kquant16.py's (``QUANT_ARRAYS[kind]``:
 quant planes and sub-block scales per 32-weight block, f16 scales per
 256-weight super-block); the rest is codegen/qgemm.py's contract: Q8
 activation blocks of 32 (``asum`` is not read), row groups of 8 columns,
 ``out`` at the first column, only ``n`` columns written. The driver, the row
-tiles and the masked stores are qgemm.py's; this module adds the block.
+tiles and the masked stores are qgemm.py's; this module adds the blocks.
 
 Per block of 32 weights, row group and activation row, exactly in integers:
 
@@ -16,21 +17,25 @@ Per block of 32 weights, row group and activation row, exactly in integers:
 
 with o = 32 (Q6_K), 4 (Q3_K), 0 (Q2_K). The quants are unsigned, recovered
 from the planes one chunk (4 weights x 8 rows, 32 bytes) at a time with
-shifts and masks. ``vpmaddubsw(q, a)`` gives int16 pair sums; the offset goes
-in the same int16 domain, ``vpmaddubsw(o, a)`` subtracted per chunk, so that
-each pair sum is sum (q - o) a: at most 2 * 32 * 127 = 8128 for Q6_K, and the
-four chunks of a sub-block add up in int16 (32512) before one ``vpmaddwd``
-with that sub-block's scales (int16 pairs (s, s) per row, unpacked from the
-scale bytes once per block and kept in the stack frame). |X| < 2^24 for every
-kind, so its conversion to f32 is exact, and each block costs every row the
-same two f32 operations (a multiply for d * d_a, then an FMA; Q2_K a second
-pair for the min): the sum over k runs in block order, whatever the tile.
+shifts and masks. |X| < 2^24 for every kind, so its conversion to f32 is
+exact, and each block costs every row the same f32 operations in both
+variants (a multiply for d * d_a, then an FMA; Q2_K a second pair for the
+min): the sum over k runs in block order whatever the tile or ISA, and the
+AVX2 and AVX-512 results are bit-identical.
 
-Registers: each activation row of a tile needs its f32 total, the int16
-sub-block sum and the int32 block sum (Q2_K two more for the min), next to
-four working registers; the tile sizes follow (``MAX_ROWS``), the rows left
-run smaller copies, and constants live in the registers a tile leaves free
-(else they are memory operands).
+AVX2. ``vpmaddubsw(q, a)`` gives int16 pair sums, summed over a sub-block's
+four chunks in int16; o times the activations' pair sums, computed once per
+block and row from its 32 bytes (``vpmaddubsw(o, a)`` and two shuffles, one
+sub-block a lane), is subtracted there. The int16 sums may wrap on the way
+(Q6_K: 4 * 2 * 63 * 127), but the result, sum (q - o) a, is at most
+8 * 32 * 127 = 32512 a word, so it comes out exact. One ``vpmaddwd`` per
+sub-block multiplies by the scales (int16 pairs (s, s) per row, unpacked from
+the scale bytes once per block). A tile row needs its f32 total, the two
+int16 sub-block sums and an int32 (Q2_K: two), next to five working
+registers: tiles of 3 rows, the rest in smaller copies; constants
+take the registers a tile leaves free, else they are memory operands.
+
+AVX-512 VNNI: see the section below.
 """
 from dataclasses import dataclass
 
@@ -70,7 +75,7 @@ class K16Kind:
 
     @property
     def row_registers(self):
-        return 5 if self.has_min else 3
+        return 3          # f32 total and the two sub-blocks' int16 sums
 
 
 Q6_K = K16Kind("q6_k", quant_bytes=2 * 3 * GROUP * CHUNK, super_bytes=GROUP * 2, offset=32, has_min=False,

@@ -37,7 +37,7 @@ from . import buffers
 from .layouts import Layout, PackedWeight, register
 from .layout_quant import _by_group, _checked_ids, _dequantize_with, _groups
 from .ref import kquants16 as ref
-from ..codegen.contract import BLOCK, CHUNK, GROUP, SUPER_BLOCK
+from ..codegen.contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS, SUPER_BLOCK
 
 CHUNKS = BLOCK // CHUNK                  # 8 chunks of 4 weights a block
 BLOCKS_PER_SUPER = SUPER_BLOCK // BLOCK
@@ -78,20 +78,13 @@ def _per_sub(values):
     return np.repeat(values, SUPER_BLOCK // 16, axis=1)
 
 
-def _layout_arrays(kind, n, kb, qs, scales, supers):
-    arrays = dict(qs=buffers.empty(qs.shape, np.uint8))
-    arrays["qs"][...] = qs
-    names = [spec.name for spec in _specs(kind)]
-    arrays[names[1]] = buffers.empty(scales.shape, scales.dtype)
-    arrays[names[1]][...] = scales
-    arrays[names[2]] = buffers.empty(supers.shape, np.float16)
-    arrays[names[2]][...] = supers
+def _layout_arrays(kind, qs, scales, supers):
+    """The packed arrays of ``kind``, named and typed as contract.QUANT_ARRAYS says, 64-byte aligned."""
+    arrays = {}
+    for spec, values in zip(QUANT_ARRAYS[kind], (qs, scales, supers)):
+        arrays[spec.name] = buffers.empty(values.shape, spec.dtype)
+        arrays[spec.name][...] = values
     return arrays
-
-
-def _specs(kind):
-    from ..codegen.contract import QUANT_ARRAYS
-    return QUANT_ARRAYS[kind]
 
 
 def _scales_by_group(per_row, n):
@@ -123,7 +116,7 @@ def pack_q6_k(type_name, raw, n, k):
     qs = halves[:, :, :, :3] | (((last >> shifts) & 3) << 6)
     scales = _scales_by_group(sc.reshape(n, -1), n)
     d_grouped = _by_group(d, n)
-    return PackedWeight("q6_k", n, k, _layout_arrays("q6_k", n, k // BLOCK, qs, scales, d_grouped),
+    return PackedWeight("q6_k", n, k, _layout_arrays("q6_k", qs, scales, d_grouped),
                         dict(group=GROUP, source=type_name))
 
 
@@ -152,7 +145,7 @@ def pack_q3_k(type_name, raw, n, k):
     qs = (c[:, :, 0:6:2] | (c[:, :, 1:6:2] << 4) | (((c[:, :, 6:7] >> p) & 1) << 3)
           | (((c[:, :, 7:8] >> p) & 1) << 7))
     scales = _scales_by_group((sc.astype(np.int16) - 32).astype(np.int8).reshape(n, -1), n)
-    return PackedWeight("q3_k", n, k, _layout_arrays("q3_k", n, k // BLOCK, qs, scales, _by_group(d, n)),
+    return PackedWeight("q3_k", n, k, _layout_arrays("q3_k", qs, scales, _by_group(d, n)),
                         dict(group=GROUP, source=type_name))
 
 
@@ -182,8 +175,8 @@ def pack_q2_k(type_name, raw, n, k):
     shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
     qs = (quads << shifts).sum(axis=3, dtype=np.uint8)
     dm = _by_group(np.stack([d, dmin], axis=-1), n)                # [G, sb, 2, 8]
-    return PackedWeight("q2_k", n, k, _layout_arrays("q2_k", n, k // BLOCK, qs,
-                                                     _scales_by_group(scales.reshape(n, -1), n), dm),
+    arrays = _layout_arrays("q2_k", qs, _scales_by_group(scales.reshape(n, -1), n), dm)
+    return PackedWeight("q2_k", n, k, arrays,
                         dict(group=GROUP, source=type_name))
 
 

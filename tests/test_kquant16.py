@@ -18,7 +18,6 @@ from hypothesis import given, strategies as st
 
 from helpers import nan_buffer, float_arrays
 from llambda.runtime import buffers, layouts
-from llambda.runtime.layouts import PackedWeight
 from llambda.runtime.ref import kquants16 as kq
 from test_qgemm import before_a_guard_page, misaligned
 
@@ -26,8 +25,8 @@ TYPES = ["Q6_K", "Q3_K", "Q2_K"]
 KINDS = {"Q6_K": "q6_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}
 BLOCK, GROUP, SUPER = 32, 8, 256
 MODELS = Path("/work/models")
-# Tiles (codegen/qgemm_k16.py): AVX2 3 activation rows x 8 columns for q6_k / q3_k, 2 x 8
-# for q2_k, remainders of fewer rows; AVX-512 16 x 16, then 8, 4, 2, 1 rows, a lone group
+# Tiles (codegen/qgemm_k16.py): AVX2 3 activation rows x 8 columns
+# (remainders of 1 and 2 rows); AVX-512 16 x 16, then 8, 4, 2, 1 rows, a lone last group
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 16, 17]) | st.integers(1, 24)
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 33]) | st.integers(1, 60)
 k_sizes = st.sampled_from([256, 512, 768, 1280])

@@ -75,8 +75,8 @@ def _check_weight(w, k):
 def qgemm(qs, d, s, w, out, rows=None, *, isa=None):
     """out[m, n0:n1] = dequant(qs, d) [m, k] . dequant(w)[n0:n1, k]^T; ``rows=(n0, n1)`` (n0 % 8 == 0).
 
-    qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a q4_1
-    or q8_0 PackedWeight; out f32 [m, n]. Columns outside n0..n1 are not touched.
+    qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a quantized
+    PackedWeight (kinds.quantized_kinds()); out f32 [m, n]. Columns outside n0..n1 are not touched.
     ``isa`` (one of qgemm_isas()) picks a kernel variant; by default the fastest for m."""
     symbol, args = qgemm_call(qs, d, s, w, out, rows, isa=isa)
     kernel(symbol)(*args)

@@ -43,7 +43,7 @@ from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
                             LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, CMP, JA, JG, JNZ, XOR, VMOVDQA, VMOVDQU,
                             VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD, VPERMI2D, VPMOVZXWD,
-                            VINSERTI128, VPERM2I128, VPSHUFD, VMOVUPS,
+                            VINSERTI128, VPERM2I128, VPSHUFD, VPSUBB, VPXOR, VMOVUPS,
                             VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
                             VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
                             VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
@@ -145,6 +145,8 @@ def emit_qgemm(kind, isa):
         # (AVX2: int16 pairs), or f32 multipliers (AVX-512)
         r.scales = [LocalVariable(vector_bytes, alignment=16) for _ in range(4 if kind.has_min else 2)]
         r.dmin = LocalVariable(64, alignment=16)         # AVX-512 Q2_K: the block's dmin per column
+        # AVX-512 Q6_K / Q3_K: an activation row's block biased by 128 (two, for alternate rows)
+        r.biased = [LocalVariable(BLOCK, alignment=16) for _ in range(2)]
         LOAD.ARGUMENT(r.wq, a_wq)
         LOAD.ARGUMENT(r.wscale, a_wsc)
         LOAD.ARGUMENT(r.wd, a_wd)
@@ -475,13 +477,16 @@ def emit(isa):
 #
 # As codegen/qgemm.py's AVX-512 kernel: one zmm holds a chunk of two row groups (g's 32
 # bytes, then g + 1's), 16 columns; the block's 8 chunks stay in registers while the tile's
-# activation rows pass one at a time, each chunk one ``vpdpbusd`` (unsigned quants x the
-# activation's 4 bytes, broadcast from memory) into its sub-block's int32 sum; a second
-# ``vpdpbusd`` of o (Q2_K: ones) with the same bytes sums the offset (the activation sum).
-# Then X = s_0 (U_0 - M_0) + s_1 (U_1 - M_1) in f32 (scales as f32 per column): every
-# product and the sum are integers below 2^24, so X is exact and equal to the AVX2
-# kernel's; the f32 operations after it are the AVX2 kernel's too, so both variants agree
-# bit for bit.
+# activation rows pass one at a time, each chunk one ``vpdpbusd`` per row into its
+# sub-block's int32 sum. Q6_K / Q3_K: the chunks become signed q - o once per block, and a
+# row's activations, biased by 128 into unsigned bytes once per block (through the stack),
+# are the unsigned operand; 128 * sum(q - o) per column, from one ``vpdpbusd`` per chunk
+# and block shared by every row, is subtracted (as codegen/qgemm.py does for q8_0). Q2_K:
+# unsigned q x the activations, and a second ``vpdpbusd`` of ones with the same bytes sums
+# the activations for the min. Then X = s_0 U_0 + s_1 U_1 in f32 (scales as f32 per
+# column): every product and the sum are integers below 2^24, so X is exact and equal to
+# the AVX2 kernel's; the f32 operations after it are the AVX2 kernel's too, so both
+# variants agree bit for bit.
 
 AVX512_TILING = qgemm.Tiling(full=(16, 8), groups=2, remainders=(4, 2, 1), exact=False)
 # vpermi2d indices (as words: PeachPy takes one constant size per function, and the tile
@@ -609,8 +614,9 @@ def chunks_avx512(r, kind):
 
 
 def emit_row_avx512(r, kind, chunks, offset, d_w, total):
-    """total += the block's contribution of the activation row at ``r.spare`` (counted in
-    scale-row units: its bytes start at act + 8 * spare)."""
+    """Q2_K: total += the block's contribution of the activation row at ``r.spare`` (counted
+    in scale-row units: its bytes start at act + 8 * spare); ``offset`` is ones: the second
+    sums are the activations' (for the min term)."""
     sums = [ZMMRegister() for _ in range(2)]
     offsets = [ZMMRegister() for _ in range(2)]
     for register in sums + offsets:
@@ -620,23 +626,64 @@ def emit_row_avx512(r, kind, chunks, offset, d_w, total):
         VPDPBUSD(sums[c // 4], chunk, a)
         VPDPBUSD(offsets[c // 4], offset, a)
     scale = ZMMRegister()
-    if kind.offset:
-        for h in range(2):
-            VPSUBD(sums[h], sums[h], offsets[h])
     for h in range(2):
         VCVTDQ2PS(sums[h], sums[h])
     VMULPS(sums[0], sums[0], r.scales[0])
     VFMADD231PS(sums[0], sums[1], r.scales[1])          # exact: see above
     VMULPS(scale, d_w, broadcast([r.act_scale + r.spare * 1]))
     VFMADD231PS(total, sums[0], scale)
-    if kind.has_min:
-        for h in range(2):
-            VCVTDQ2PS(offsets[h], offsets[h])
-        VMULPS(offsets[0], offsets[0], r.scales[2])
-        VFMADD231PS(offsets[0], offsets[1], r.scales[3])
-        VMOVUPS(scale, r.dmin)
-        VMULPS(scale, scale, broadcast([r.act_scale + r.spare * 1]))
-        VFNMADD231PS(total, offsets[0], scale)
+    for h in range(2):
+        VCVTDQ2PS(offsets[h], offsets[h])
+    VMULPS(offsets[0], offsets[0], r.scales[2])
+    VFMADD231PS(offsets[0], offsets[1], r.scales[3])
+    VMOVUPS(scale, r.dmin)
+    VMULPS(scale, scale, broadcast([r.act_scale + r.spare * 1]))
+    VFNMADD231PS(total, offsets[0], scale)
+
+
+def signed_chunks_avx512(chunks, offset, bias):
+    """Q6_K / Q3_K: the chunks as signed q - o (in place), and per sub-block 128 * sum(q - o)
+    per column: what biasing the activations by 128 adds to their dot products."""
+    corrections = [ZMMRegister() for _ in range(2)]
+    for correction in corrections:
+        qgemm.zero(correction)
+    for c, chunk in enumerate(chunks):
+        VPSUBB(chunk, chunk, offset)
+        VPDPBUSD(corrections[c // 4], bias, chunk)
+    return corrections
+
+
+def emit_row_biased_avx512(r, chunks, corrections, bias, d_w, total, slot):
+    """Q6_K / Q3_K: total += the block's contribution of the activation row at ``r.spare``.
+
+    The row's 32 bytes biased by 128 (a xor 0x80: unsigned) go to the stack ``slot`` once, and
+    each chunk takes one ``vpdpbusd`` of their broadcast with the signed q - o:
+    sum (a + 128)(q - o) - 128 sum(q - o) = sum (q - o) a, exact."""
+    biased = YMMRegister()
+    VPXOR(biased, bias.as_ymm, [r.act + r.spare * 8])
+    VMOVDQU(slot, biased)
+    sums = [ZMMRegister() for _ in range(2)]
+    for register in sums:
+        qgemm.zero(register)
+    for c, chunk in enumerate(chunks):
+        a = ZMMRegister()
+        VPBROADCASTD(a, dword_of(slot, c))
+        VPDPBUSD(sums[c // 4], a, chunk)
+    scale = ZMMRegister()
+    for h in range(2):
+        VPSUBD(sums[h], sums[h], corrections[h])
+        VCVTDQ2PS(sums[h], sums[h])
+    VMULPS(sums[0], sums[0], r.scales[0])
+    VFMADD231PS(sums[0], sums[1], r.scales[1])          # exact: see above
+    VMULPS(scale, d_w, broadcast([r.act_scale + r.spare * 1]))
+    VFMADD231PS(total, sums[0], scale)
+
+
+def dword_of(local, c):
+    """Dword c of a 32-byte LocalVariable (PeachPy names its parts by halves)."""
+    for bit in (4, 2, 1):
+        local = local.hi if c & bit else local.lo
+    return local
 
 
 def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
@@ -653,9 +700,15 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
             VMOVUPS(r.dmin, super_scales_avx512(r, kind, 1))
         chunks = chunks_avx512(r, kind)
         offset = broadcast_constant_zmm(r, kind.offset if kind.offset else 1, True)
+        if kind.offset:
+            bias = broadcast_constant_zmm(r, 0x80, True)
+            corrections = signed_chunks_avx512(chunks, offset, bias)
         XOR(r.spare, r.spare)
         for i, total in enumerate(totals):
-            emit_row_avx512(r, kind, chunks, offset, d_w, total)
+            if kind.offset:
+                emit_row_biased_avx512(r, chunks, corrections, bias, d_w, total, r.biased[i % 2])
+            else:
+                emit_row_avx512(r, kind, chunks, offset, d_w, total)
             if i + 1 < rows:
                 ADD(r.spare, r.scale_stride)
         advance_block(r, kind)

@@ -60,7 +60,25 @@ QUANT_ARRAYS = {
              ArraySpec("d", np.float16, (GROUP,))),                             # m = -16 d in the kernel
     "q5_1": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK + 1, GROUP, CHUNK)),
              ArraySpec("dm", np.float16, (2, GROUP))),
+    # K-quants with 16-weight sub-blocks (runtime/layout_kquant16.py, codegen/qgemm_k16.py):
+    # per block of 32 weights, planes of packed quants (each 8 rows x 4 bytes) and the two
+    # sub-blocks' integer scales of each row; per super-block of 256, f16 scales per row.
+    "q6_k": (ArraySpec("qs", np.uint8, (2, 3, GROUP, CHUNK)),                   # 6-bit q, 3 planes a half
+             ArraySpec("sc", np.int8, (GROUP, 2)),                              # sc of each row's halves
+             ArraySpec("d", np.float16, (GROUP,), SUPER_BLOCK // BLOCK)),
+    "q3_k": (ArraySpec("qs", np.uint8, (3, GROUP, CHUNK)),                      # 3-bit q, 3 planes
+             ArraySpec("sc", np.int8, (GROUP, 2)),                              # sc - 32
+             ArraySpec("d", np.float16, (GROUP,), SUPER_BLOCK // BLOCK)),
+    "q2_k": (ArraySpec("qs", np.uint8, (2, GROUP, CHUNK)),                      # 2-bit q, 2 planes
+             ArraySpec("sm", np.uint8, (GROUP, 2)),                             # sc | m << 4, as GGUF
+             ArraySpec("dm", np.float16, (2, GROUP), SUPER_BLOCK // BLOCK)),    # d then dmin
 }
+
+# Register tiles of the qgemm kernels whose tile differs from their ISA's default
+# (runtime/native/quant.py QGEMM_TILES), by kind and ISA.
+# A kind listed here has kernels for the ISAs listed, and only those.
+QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8", "avx512": "16x16"}, "q3_k": {"avx2": "3x8", "avx512": "16x16"},
+                    "q2_k": {"avx2": "3x8", "avx512": "16x16"}}
 
 
 def block_multiple(kind):

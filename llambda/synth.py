@@ -24,7 +24,9 @@ from .tokenizer import byte_level_alphabet
 
 __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q2_K")
+# Types written as random-but-valid raw blocks (no quantizer here): see _random_kquant16_rows.
+_RANDOM_BLOCK_TYPES = ("Q6_K", "Q3_K", "Q2_K")
 
 # Llama-like shapes. 1.1b is TinyLlama's; 0.5b is a Llama-shaped model of 0.52
 # billion parameters (64-wide heads, 4:1 grouped-query attention).
@@ -43,6 +45,9 @@ _FILE_TYPES = {
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
 }
 
 # Rows per quantization call: bounds the float32 staging memory of one big
@@ -221,8 +226,36 @@ def _draw_tensor(plan: _TensorPlan, seed: int, index: int) -> np.ndarray:
         values *= np.float32(plan.std)
         if plan.mean:
             values += np.float32(plan.mean)
-        out[start:stop] = gguf.quants.quantize(values, plan.qtype)
+        if plan.type_name in _RANDOM_BLOCK_TYPES:
+            out[start:stop] = _random_kquant16_rows(plan.type_name, stop - start, cols, plan.std, rng)
+        else:
+            out[start:stop] = gguf.quants.quantize(values, plan.qtype)
     return out
+
+
+# (rms of the quant's offset value, rms of the sub-block scale) as drawn below
+_KQUANT16_SPREAD = {"Q6_K": (18.5, 37.0), "Q3_K": (2.29, 18.5), "Q2_K": (1.118, 8.8)}
+
+
+def _random_kquant16_rows(type_name, rows, cols, std, rng):
+    """Raw GGUF rows of a K-quant with 16-weight sub-blocks: random quants and sub-block
+    scales, super-block scales chosen so the weights have about ``std`` and mean 0 (the
+    Q2_K min term cancels its quants' mean: m = sc, dmin = 1.5 d)."""
+    from .runtime.ref.kquants16 import BLOCK_BYTES, SUPER_BLOCK
+    blocks = rng.integers(0, 256, (rows, cols // SUPER_BLOCK, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    offset_rms, scale_rms = _KQUANT16_SPREAD[type_name]
+    d = np.full(blocks.shape[:-1] + (1,), std / (offset_rms * scale_rms), np.float16)
+    if type_name == "Q6_K":
+        blocks[..., 192:208] = rng.integers(-64, 65, blocks.shape[:-1] + (16,)).astype(np.int8).view(np.uint8)
+        blocks[..., 208:210] = d.view(np.uint8)
+    elif type_name == "Q3_K":
+        blocks[..., 108:110] = d.view(np.uint8)
+    else:
+        sc = rng.integers(1, 16, blocks.shape[:-1] + (16,), dtype=np.uint8)
+        blocks[..., :16] = sc | (sc << 4)
+        blocks[..., 80:82] = d.view(np.uint8)
+        blocks[..., 82:84] = (d * np.float16(1.5)).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _add_hparams(writer, *, n_layer, dim, n_head, n_kv_head, ffn_dim, vocab_size, n_ctx,

@@ -31,6 +31,9 @@ TRAITS = {t.kind: t for t in (
     KindTraits("q8_0", activation="q8", linear="qgemm", embed=True),
     KindTraits("q5_0", activation="q8", linear="qgemm"),
     KindTraits("q5_1", activation="q8", linear="qgemm"),
+    KindTraits("q6_k", activation="q8", linear="qgemm"),
+    KindTraits("q3_k", activation="q8", linear="qgemm"),
+    KindTraits("q2_k", activation="q8", linear="qgemm"),
     KindTraits("f32", activation="f32", linear="gemm_f32"),
     KindTraits("f16", activation="f32", linear="gemm_f16"),
 )}

@@ -10,6 +10,10 @@ meaning depends on ``kind``:
     q8_0    qs (int8, 8 rows interleaved 4 bytes at a time), d (f16 scales) -- Q8_0 weights
     q5_0    qs (five-bit quants packed 20 bytes a block, 8 rows interleaved), d -- Q5_0 weights
     q5_1    qs (as q5_0), dm (f16 scales, mins)                      -- Q5_1 weights
+    q6_k    qs (6-bit, 3 planes a sub-block), sc (int8), d (f16 per 256)  -- Q6_K weights
+    q3_k    qs (3-bit, 3 planes), sc (int8 sc - 32), d (f16 per 256)     -- Q3_K weights
+    q2_k    qs (2-bit, 2 planes), sm (scale | min << 4), dm (f16 per 256) -- Q2_K weights
+            (layout_kquant16.py)
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 
@@ -56,7 +60,7 @@ def register(layout):
 
 
 def _load_layouts():
-    from . import layout_quant, layout_float, layout_q5  # noqa: F401  (each calls register)
+    from . import layout_quant, layout_float, layout_q5, layout_kquant16  # noqa: F401  (each calls register)
 
 
 def supported_types():

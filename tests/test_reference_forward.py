@@ -12,15 +12,18 @@ from llambda.synth import SUPPORTED_TYPES, minimal_vocab_size, write_random_llam
 from reference_forward import (ReferenceModel, _attention, _rope, load_reference_weights,
                                      reference_logits)
 
-# Float types take any width; block-quantized rows need multiples of 32.
+# Float types take any width; block-quantized rows need multiples of 32, K-quant rows of 256.
 TINY_SHAPES = {
     "float": dict(n_layer=2, dim=36, n_head=3, n_kv_head=1, ffn_dim=50, vocab_size=301),
     "quant": dict(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=320),
+    "kquant": dict(n_layer=2, dim=256, n_head=4, n_kv_head=2, ffn_dim=512, vocab_size=320),
 }
 PROMPT = [5, 77, 300, 12, 12, 190, 3, 41]
 
 
 def tiny_shape(tensor_type):
+    if tensor_type.endswith("_K"):
+        return TINY_SHAPES["kquant"]
     return TINY_SHAPES["float" if tensor_type in ("F32", "F16", "BF16") else "quant"]
 
 

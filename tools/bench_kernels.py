@@ -21,7 +21,10 @@ import numpy as np  # noqa: E402
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
 MS = [1, 16, 128, 512]
-KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "F32", "F16"]
+KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q2_K", "F32", "F16"]
+# No quantizer here for these: random valid blocks (the speed does not depend on the values).
+# Their rows need k % 256 == 0: other shapes skip them.
+RANDOM_BLOCK_KINDS = ("Q6_K", "Q3_K", "Q2_K")
 
 
 def _time(fn, budget=0.3, min_runs=3):
@@ -47,6 +50,9 @@ def _copy(w):
 def _random_weight(kind, n, k, rng):
     import gguf
     from llambda.runtime import layouts
+    if kind in RANDOM_BLOCK_KINDS:
+        from llambda.runtime.ref.kquants16 import random_blocks
+        return layouts.pack(kind, random_blocks(kind, n, k, rng, 1e-3), n, k)
     w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05)
     qtype = gguf.GGMLQuantizationType[kind]
     raw = gguf.quants.quantize(w, qtype) if kind not in ("F32",) else w
@@ -58,6 +64,7 @@ def _random_weight(kind, n, k, rng):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the 4096x4096 and 49152x576 shapes")
+    ap.add_argument("--kinds", help=f"comma-separated subset of {','.join(KINDS)}")
     args = ap.parse_args(argv)
 
     from llambda.runtime import buffers, ceilings, get_backend, layouts
@@ -79,7 +86,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     shapes = SHAPES[:3] if args.quick else SHAPES
     for n, k in shapes:
-        for kind in KINDS:
+        for kind in (args.kinds.split(",") if args.kinds else KINDS):
+            if kind in RANDOM_BLOCK_KINDS and k % 256:
+                continue
             w = _random_weight(kind, n, k, rng)
             wf = layouts.dequantize(w) if n * k <= 49152 * 576 else None
             lin = Linear(be, max(MS), k)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
-from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, qgemm_symbol
+from ...codegen.contract import BLOCK, GROUP, QGEMM_KIND_TILES, QUANT_ARRAYS, qgemm_symbol
 from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -81,42 +81,54 @@ def _check_weight(w, k):
 def qgemm(qs, d, s, w, out, rows=None, *, isa=None):
     """out[m, n0:n1] = dequant(qs, d) [m, k] . dequant(w)[n0:n1, k]^T; ``rows=(n0, n1)`` (n0 % 8 == 0).
 
-    qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a q4_1
-    or q8_0 PackedWeight; out f32 [m, n]. Columns outside n0..n1 are not touched.
+    qs, d, s are quantize_q8's output (qs in [-127, 127]), or row slices of it; w a quantized
+    PackedWeight (kinds.quantized_kinds()); out f32 [m, n]. Columns outside n0..n1 are not touched.
     ``isa`` (one of qgemm_isas()) picks a kernel variant; by default the fastest for m."""
     symbol, args = qgemm_call(qs, d, s, w, out, rows, isa=isa)
     kernel(symbol)(*args)
 
 
+def qgemm_tile(kind, isa):
+    """The register tile in ``kind``'s qgemm kernel name for ``isa`` (None: it has no such kernel)."""
+    if kind in QGEMM_KIND_TILES:
+        return QGEMM_KIND_TILES[kind].get(isa)
+    return QGEMM_TILES[isa]
+
+
 @functools.lru_cache(maxsize=None)
-def qgemm_isas():
-    """The qgemm variants this CPU runs and the kernel library has, baseline first."""
+def qgemm_isas(kind=None):
+    """The qgemm variants this CPU runs and the kernel library has, baseline first: for ``kind``,
+    or (None) those that every kind emitted for that ISA has (contract.QGEMM_KIND_TILES lists
+    the kinds with fewer ISAs)."""
     flags = cpu.cpu_flags()
     manifest = library.load("avx2").manifest
-    return tuple(isa for isa, tile in QGEMM_TILES.items()
+    kinds = [kind] if kind is not None else quantized_kinds()
+    return tuple(isa for isa in QGEMM_TILES
                  if not cpu.missing_flags(isa)
                  and (isa not in QGEMM_EXTRA_FLAG or flags & set(QGEMM_EXTRA_FLAG[isa]))
-                 and all(qgemm_symbol(kind, tile, isa) in manifest for kind in quantized_kinds()))
+                 and (kind is None or qgemm_tile(kind, isa) is not None)
+                 and all(qgemm_symbol(k, qgemm_tile(k, isa), isa) in manifest
+                         for k in kinds if qgemm_tile(k, isa) is not None))
 
 
 @functools.lru_cache(maxsize=None)
-def widest_qgemm_isa():
-    """The widest of qgemm_isas(), or of those up to LLAMBDA_ISA when set (read once)."""
+def widest_qgemm_isa(kind=None):
+    """The widest of qgemm_isas(kind), or of those up to LLAMBDA_ISA when set (read once)."""
     names = list(QGEMM_TILES)
     cap = os.environ.get(ISA_CAP) or names[-1]
     if cap not in names:
         raise ValueError(f"{ISA_CAP}: expected one of {', '.join(names)}, got {cap!r}")
-    return [isa for isa in qgemm_isas() if names.index(isa) <= names.index(cap)][-1]
+    return [isa for isa in qgemm_isas(kind) if names.index(isa) <= names.index(cap)][-1]
 
 
-def _qgemm_isa(isa, m, kind):
+def _qgemm_isa(isa, m, kind=None):
     if isa is None:
-        widest = widest_qgemm_isa()
+        widest = widest_qgemm_isa(kind)
         few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
         return "avx2" if widest == "avx512" and few_rows else widest
-    if isa not in qgemm_isas():
-        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas())} (the qgemm variants this CPU "
-                         f"and kernel library run), got {isa!r}")
+    if isa not in qgemm_isas(kind):
+        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "
+                         f"and kernel library run for kind {kind}), got {isa!r}")
     return isa
 
 
@@ -133,6 +145,6 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
     isa = _qgemm_isa(isa, m, w.kind)
-    return qgemm_symbol(w.kind, QGEMM_TILES[isa], isa), [
+    return qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa), [
         *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

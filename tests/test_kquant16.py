@@ -1,0 +1,282 @@
+"""Q6_K, Q3_K and Q2_K (K-quants with 16-weight sub-blocks): reference dequantizers, layouts, kernels, models.
+
+Tolerances. Dequantization is exact: the reference dequantizers and
+``layouts.dequantize(pack(raw))`` equal ``gguf.quants.dequantize`` bit for
+bit. The kernels' integer block sums are exact (|X| < 2^24, so their f32
+conversion is too); what remains is f32 rounding of d * d_a, of the FMA per
+block (Q2_K: two) and of the running sum over k/32 blocks, relative to
+sum_k (|d sc q'| + |dmin m|) |a|: within 1e-5 of it for these k (as
+test_qgemm.py states for the other kinds).
+"""
+import dataclasses
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from helpers import nan_buffer, float_arrays
+from llambda.runtime import buffers, layouts
+from llambda.runtime.ref import kquants16 as kq
+from test_qgemm import before_a_guard_page, misaligned
+
+TYPES = ["Q6_K", "Q3_K", "Q2_K"]
+KINDS = {"Q6_K": "q6_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}
+BLOCK, GROUP, SUPER = 32, 8, 256
+MODELS = Path("/work/models")
+# Tiles (codegen/qgemm_k16.py): AVX2 3 activation rows x 8 columns
+# (remainders of 1 and 2 rows); AVX-512 16 x 16, then 8, 4, 2, 1 rows, a lone last group
+m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 16, 17]) | st.integers(1, 24)
+n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 33]) | st.integers(1, 60)
+k_sizes = st.sampled_from([256, 512, 768, 1280])
+
+
+def raw_rows(type_name, n, k, seed=0, magnitude=1.0):
+    return kq.random_blocks(type_name, n, k, np.random.default_rng(seed), magnitude)
+
+
+def drawn_weight(draw, type_name, n, k):
+    raw = raw_rows(type_name, n, k, draw(st.integers(0, 2**32 - 1)), draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0])))
+    return raw, layouts.pack(type_name, raw, n, k)
+
+
+def quantized(native, x):
+    m, k = x.shape
+    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+    native.quantize_q8(x, qs, d, s)
+    return qs, d, s
+
+
+def term_magnitudes(type_name, raw, n, k):
+    """|each f32 term the kernel adds| per weight: |d sc (q - o)| (+ |dmin m| for Q2_K)."""
+    blocks = kq.super_blocks(type_name, raw, n, k)
+    if type_name == "Q2_K":
+        q, scales, d, dmin = kq.decode_q2_k(blocks)
+        dl = np.abs(d.astype(np.float64))[..., None] * (scales & 15)
+        ml = np.abs(dmin.astype(np.float64))[..., None] * (scales >> 4)
+        w = dl[..., None] * q.reshape(n, -1, 16, 16) + ml[..., None]
+    else:
+        raw_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+        w = np.abs(raw_w.astype(np.float64))
+    return np.asarray(w).reshape(n, k)
+
+
+def assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name, rows=None, isa=None):
+    m, k = qs.shape
+    n0, n1 = rows if rows is not None else (0, w.n)
+    got, want = nan_buffer((m, w.n)), nan_buffer((m, w.n))
+    native.qgemm(qs, d, s, w, got, rows=rows, isa=isa)
+    ref.qgemm(qs, d, s, w, want, rows=rows)
+    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
+    act = np.abs(qs.astype(np.float64)).reshape(m, -1, BLOCK) * d.astype(np.float64)[..., None]
+    bound = act.reshape(m, k) @ term_magnitudes(type_name, raw, w.n, k)[n0:n1].T
+    np.testing.assert_array_less(np.abs(got[:, n0:n1].astype(np.float64) - want[:, n0:n1]), 1e-5 * bound + 1e-30)
+
+
+# --------------------------------------------------------------------------- dequantization
+
+@given(st.data(), st.sampled_from(TYPES), st.integers(1, 20), st.sampled_from([256, 512, 768]))
+def test_reference_and_layout_dequantize_like_gguf(data, type_name, n, k):
+    raw, w = drawn_weight(data.draw, type_name, n, k)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, k)
+    np.testing.assert_array_equal(kq.DEQUANTIZERS[type_name](raw, n, k).view(np.uint32), want.view(np.uint32))
+    got = layouts.dequantize(w)
+    assert got.dtype == np.float32 and w.kind == KINDS[type_name] and w.meta["source"] == type_name
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    ids = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=4)))
+    np.testing.assert_array_equal(layouts.rows(w, ids), got[ids])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_layouts_are_as_compact_as_stated(type_name):
+    """Bytes per 256 weights (GGUF's own: Q6_K 210, Q3_K 110, Q2_K 84)."""
+    n, k = 16, 512
+    w = layouts.pack(type_name, raw_rows(type_name, n, k), n, k)
+    assert w.nbytes * SUPER // (n * k) == {"Q6_K": 210, "Q3_K": 114, "Q2_K": 84}[type_name]
+    assert all(a.ctypes.data % 64 == 0 for a in w.arrays.values())
+
+
+def _real_tensors():
+    """(file, tensor name) of the first tensor of each of our types in the real files on disk."""
+    found = {}
+    for path in sorted(MODELS.glob("*.gguf")):
+        if path.stat().st_size > 400 << 20:
+            continue
+        reader = gguf.GGUFReader(path)
+        for t in reader.tensors:
+            if t.tensor_type.name in TYPES and t.tensor_type.name not in found:
+                found[t.tensor_type.name] = (path, t.name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def real_tensors():
+    if not MODELS.is_dir():
+        pytest.skip(f"{MODELS} is not here")
+    return _real_tensors()
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])     # no real file has Q2_K tensors here
+def test_real_gguf_tensor(native, ref, real_tensors, type_name):
+    if type_name not in real_tensors:
+        pytest.skip(f"no {type_name} tensor in {MODELS}")
+    path, name = real_tensors[type_name]
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    k, n = (int(v) for v in tensor.shape)
+    raw = np.asarray(tensor.data)[:300]
+    n = raw.shape[0]
+    want = gguf.quants.dequantize(raw, tensor.tensor_type).reshape(n, k)
+    np.testing.assert_array_equal(kq.DEQUANTIZERS[type_name](raw, n, k).view(np.uint32), want.view(np.uint32))
+    w = layouts.pack(type_name, raw, n, k)
+    np.testing.assert_array_equal(layouts.dequantize(w).view(np.uint32), want.view(np.uint32))
+    x = buffers.aligned_copy(np.random.default_rng(0).standard_normal((5, k)).astype(np.float32))
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name)
+
+
+def test_pack_rejects_bad_tensors():
+    with pytest.raises(ValueError, match=r"Q6_K: k = 576 must be a positive multiple of 256"):
+        layouts.pack("Q6_K", np.zeros((2, 576 // 256 * 210), np.uint8), 2, 576)
+    with pytest.raises(ValueError, match="Q3_K: expected 3 rows of 110 bytes"):
+        layouts.pack("Q3_K", np.zeros((2, 110), np.uint8), 3, 256)
+    with pytest.raises(ValueError, match="Q2_K: n = 0 must be >= 1"):
+        layouts.pack("Q2_K", np.zeros((0, 84), np.uint8), 0, 256)
+    w = layouts.pack("Q2_K", raw_rows("Q2_K", 3, 256), 3, 256)
+    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
+        layouts.rows(w, [3])
+
+
+# --------------------------------------------------------------------------- kernels
+
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def isa(request, native):
+    """Every qgemm variant this CPU runs for these kinds; the others are skipped (and say so)."""
+    from llambda.runtime.native import quant as n_quant
+    if any(request.param not in n_quant.qgemm_isas(kind) for kind in KINDS.values()):
+        pytest.skip(f"this CPU does not run the {request.param} qgemm kernels")
+    return request.param
+
+
+@given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
+def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
+    raw, w = drawn_weight(data.draw, type_name, n, k)
+    x = float_arrays(data.draw, (m, k))
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, isa=isa)
+
+
+@given(st.data(), st.sampled_from(TYPES), m_sizes, st.integers(1, 50), st.sampled_from([256, 512]))
+def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
+    """Threads split the columns at multiples of 8: a range may start at an odd row group."""
+    raw, w = drawn_weight(data.draw, type_name, n, k)
+    x = float_arrays(data.draw, (m, k))
+    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
+    n1 = data.draw(st.integers(n0 + 1, n))
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, rows=(n0, n1), isa=isa)
+
+
+@given(st.data(), st.sampled_from(TYPES), st.integers(2, 20), st.integers(1, 20))
+def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n):
+    k = 256
+    raw, w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
+    first = data.draw(st.integers(1, m - 1))
+    assert_qgemm_close(native, ref, qs[first:], d[first:], s[first:], w, raw, type_name, isa=isa)
+
+
+@given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
+def test_qgemm_variants_agree_bit_for_bit(native, data, type_name, m, n, k):
+    """Both variants sum exact integer block sums with the same f32 operations in k order
+    (codegen/qgemm_k16.py): a row's result does not depend on which kernel computed it."""
+    from llambda.runtime.native import quant as n_quant
+    if "avx512" not in n_quant.qgemm_isas(KINDS[type_name]):
+        pytest.skip("this CPU does not run the avx512 qgemm kernels")
+    _, w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
+    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
+    native.qgemm(qs, d, s, w, baseline, isa="avx2")
+    native.qgemm(qs, d, s, w, got, isa="avx512")
+    np.testing.assert_array_equal(got, baseline)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_extreme_quants_and_scales_do_not_overflow(native, ref, isa, type_name):
+    """Every quant at its maximum (or 0), scales at their extremes, activations at +-127:
+    the int16 pair sums and int32 block sums stay exact."""
+    n, k, m = 16, 512, 4
+    raw = raw_rows(type_name, n, k, seed=5).reshape(n, k // SUPER, -1)
+    nbytes = raw.shape[-1]
+    if type_name == "Q6_K":
+        raw[:8, :, :192] = 0xFF                   # q = 63
+        raw[8:, :, :192] = 0                      # q = 0: q - 32 = -32
+        raw[..., 192:208] = np.array([-128, 127], np.int8).view(np.uint8)[np.arange(16) % 2]
+    elif type_name == "Q3_K":
+        raw[:8, :, :96] = 0                       # q = 0: q - 4 = -4
+        raw[8:, :, :96] = 0xFF                    # q = 7
+        raw[..., 96:108] = 0                      # sc = 0: sc - 32 = -32
+    else:
+        raw[:, :, 16:80] = 0xFF                   # q = 3
+        raw[..., :16] = 0xFF                      # sc = m = 15
+    raw = raw.reshape(n, k // SUPER * nbytes)
+    w = layouts.pack(type_name, raw, n, k)
+    x = buffers.full((m, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    qs, d, s = quantized(native, x)
+    assert np.abs(qs).max() == 127
+    assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name, isa=isa)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n", [8, 17, 24])
+def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
+    """The last row group ends at an unreadable page (k = 512: every array is a multiple of
+    32 bytes, so its copy there starts aligned)."""
+    m, k = 4, 512
+    keep = []
+    raw = raw_rows(type_name, n, k, seed=n)
+    w = layouts.pack(type_name, raw, n, k)
+    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
+    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
+    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, isa=isa)
+
+
+def test_qgemm_rejects_bad_arguments(native):
+    m, n, k = 2, 10, 256
+    w = layouts.pack("Q6_K", raw_rows("Q6_K", n, k), n, k)
+    qs, d, s = buffers.zeros((m, k), np.int8), buffers.zeros((m, 8)), buffers.zeros((m, 8))
+    out = buffers.zeros((m, n))
+    with pytest.raises(ValueError, match="w.sc: expected a numpy array"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"], d=w.arrays["d"])), out)
+    with pytest.raises(ValueError, match="w.d: data must be 32-byte aligned"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, d=misaligned(w.arrays["d"]))), out)
+    with pytest.raises(ValueError, match="w.qs: expected dtype uint8"):
+        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=w.arrays["qs"].view(np.int8))), out)
+    with pytest.raises(ValueError, match="w: has k = 256 but the activations have k = 512"):
+        native.qgemm(buffers.zeros((m, 512), np.int8), buffers.zeros((m, 16)), buffers.zeros((m, 16)), w, out)
+    with pytest.raises(ValueError, match="isa: expected one of avx2.*kind q6_k.*got 'avx1024'"):
+        native.qgemm(qs, d, s, w, out, isa="avx1024")
+    native.qgemm(qs, d, s, w, out)
+    np.testing.assert_array_equal(out, 0)
+
+
+# --------------------------------------------------------------------------- models
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_random_model_matches_reference_forward(tmp_path, type_name):
+    import llambda
+    from llambda.synth import write_random_llama
+    from reference_forward import reference_logits
+    from test_model import _kl, _prompt
+    path = write_random_llama(tmp_path / f"tiny-{type_name}.gguf", tensor_type=type_name, embed_type="Q8_0",
+                              seed=7, n_ctx=256, n_layer=2, dim=256, n_head=4, n_kv_head=2, ffn_dim=512,
+                              vocab_size=300)
+    model = llambda.load(path, n_ctx=256, progress=False)
+    for n, seed in ((1, 0), (37, 1)):
+        ids = _prompt(model.config.vocab_size, n, seed)
+        fast, want = model.logits(ids), reference_logits(str(path), ids)
+        assert np.isfinite(fast).all()
+        assert (fast.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+        assert _kl(want, fast) <= 0.01
+        assert np.abs(fast - want).max() <= 0.05 * (want.max() - want.min())
+    step = model.evaluate(ids[:5])
+    np.testing.assert_allclose(step, model.logits(ids[:5])[-1], rtol=0, atol=1e-4 * (1 + np.abs(step).max()))

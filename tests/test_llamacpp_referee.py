@@ -24,8 +24,8 @@ about 20-90 on these models):
   and KL <= 0.0033; the fast path within 0.5-0.7% (Q8_0, Q4_0, Q4_1).
 
 Architectures and types not yet on main fail until their branches merge: the
-table PENDING below marks them xfail (not strict); the lead deletes its rows as
-the branches land.
+table in tests/pending.py marks them xfail (not strict); delete its rows as the
+branches land.
 """
 from __future__ import annotations
 
@@ -38,38 +38,21 @@ import pytest
 import llambda
 from llambda import convert
 from fixture_models import ARCHS, TYPES, sha256_of, write_fixture_model
+from pending import PENDING, pending_marks
 from reference_forward import reference_logits
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 FLOAT_TYPES = ("F32", "F16")
 
-# Why a combination cannot pass on main yet: (arch or type) -> the branch it waits for.
-PENDING = {
-    "qwen2": "qwen2 architecture (arch branch)",
-    "qwen3": "qwen3 architecture (arch branch)",
-    "phi3": "phi3 architecture (arch branch)",
-    "gemma3": "gemma3 architecture (arch branch)",
-    "Q5_0": "Q5_0 tensors (q5 branch)",
-    "Q5_1": "Q5_1 tensors (q5 branch)",
-    "Q4_K": "Q4_K tensors (kq32 branch)",
-    "Q5_K": "Q5_K tensors (kq32 branch)",
-    "Q6_K": "Q6_K tensors (kq16 branch)",
-    "Q3_K": "Q3_K tensors (kq16 branch)",
-    "Q2_K": "Q2_K tensors (kq16 branch)",
-}
 # The reference forward dequantizes with gguf, so it runs every type; it waits
 # only for the architectures.
 REFERENCE_PENDING = {name: reason for name, reason in PENDING.items() if name in ARCHS}
 
 
 def _cases(pending):
-    cases = []
-    for arch in ARCHS:
-        for type_name in TYPES:
-            reasons = [pending[k] for k in (arch, type_name) if k in pending]
-            marks = [pytest.mark.xfail(strict=False, reason="needs " + " and ".join(reasons))] if reasons else []
-            cases.append(pytest.param(arch, type_name, id=f"{arch}-{type_name}", marks=marks))
-    return cases
+    return [pytest.param(arch, type_name, id=f"{arch}-{type_name}",
+                         marks=pending_marks((arch, type_name), pending))
+            for arch in ARCHS for type_name in TYPES]
 
 
 class Recording:

@@ -55,9 +55,12 @@ ARCHS = {
                   rope_base=1000000.0, rms_eps=1e-6, tied=True, qk_norm=True),
     "phi3": dict(n_layer=2, dim=256, n_head=4, n_kv_head=4, head_dim=64, ffn_dim=512,
                  rope_base=10000.0, rms_eps=1e-5, tied=False, fused=True),
+    # Gemma multiplies the embedding by sqrt(dim) on the way in but not on the way
+    # out (tied): a small embedding (std 1/32) keeps the input token's own logit
+    # from dominating, a larger final norm gives the logits a spread of a few units.
     "gemma3": dict(n_layer=6, dim=256, n_head=3, n_kv_head=1, head_dim=256, ffn_dim=256,
                    rope_base=1000000.0, rms_eps=1e-6, tied=True, qk_norm=True,
-                   post_norms=True, sliding_window=4),
+                   post_norms=True, sliding_window=4, embed_std=1 / 32, output_norm_mean=3.0),
 }
 
 VOCAB_SIZE = 293        # the built-in tokenizer exactly: 3 specials + 256 bytes + 34 merges
@@ -113,7 +116,7 @@ def _plans(spec: FixtureSpec) -> list[_Plan]:
     q_dim, kv_dim = h["n_head"] * hd, h["n_kv_head"] * hd
     gain = 1.0 / np.sqrt(2.0 * h["n_layer"])
     head_std = 3.0 / np.sqrt(dim)
-    embd_std = head_std if h["tied"] else 1.0
+    embd_std = h.get("embed_std", head_std if h["tied"] else 1.0)
     plans = [_Plan("token_embd.weight", (VOCAB_SIZE, dim), t, std=embd_std)]
     if h.get("rope_freqs"):
         plans.append(_Plan("rope_freqs.weight", (hd // 2,), "F32", std=0.5, mean=3.0))
@@ -145,7 +148,7 @@ def _plans(spec: FixtureSpec) -> list[_Plan]:
         plans.append(_Plan(f"{b}.ffn_down.weight", (dim, ffn), t, std=ffn ** -0.5 * gain * 2.0))
         if h.get("post_norms"):
             plans.append(_Plan(f"{b}.post_ffw_norm.weight", (dim,), "F32", std=0.1, mean=1.0))
-    plans.append(_Plan("output_norm.weight", (dim,), "F32", std=0.1, mean=1.0))
+    plans.append(_Plan("output_norm.weight", (dim,), "F32", std=0.1, mean=h.get("output_norm_mean", 1.0)))
     if not h["tied"]:
         plans.append(_Plan("output.weight", (VOCAB_SIZE, dim), t, std=head_std))
     return plans

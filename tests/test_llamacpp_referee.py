@@ -7,12 +7,14 @@ Here each model is regenerated from its seed, its sha256 checked against the
 recorded one (a generator change must come with a new recording), and llambda's
 fast path and the numpy reference forward are compared with llama.cpp.
 
-Tolerances (the logits' spread, max - min over the recorded positions, is
-about 20-90 on these models):
-- F32: max |dlogit| <= 1e-3 * (1 + max |logit|). Both sides multiply in f32
-  (llama.cpp keeps F32 activations for F32 weights; the K/V cache is F32 too).
-- F16: max |dlogit| <= 3e-3 * (1 + max |logit|): llama.cpp rounds the
-  activations to f16 before multiplying F16 weights, llambda does not.
+Tolerances, relative to the spread of llama.cpp's logits (max - min over the
+recorded positions: 12-50 on these models):
+- F32: max |dlogit| <= 0.1% of the spread. Both sides multiply in f32 (llama.cpp
+  keeps F32 activations for F32 weights, and the K/V cache is F32 here), but
+  llama.cpp's flash attention and its GELU (an f16 table) round on the way;
+  measured: at most 0.05% (gemma3).
+- F16: max |dlogit| <= 0.2% of the spread: llama.cpp also rounds the activations
+  to f16 before multiplying F16 weights, llambda does not; measured: <= 0.06%.
 - Quantized: llama.cpp quantizes activations (Q8_0/Q8_1 blocks of 32 for the
   32-blocks, Q8_K super-blocks of 256 for K-quants) and the reference forward
   does not, while llambda uses Q8 blocks of 32 with its own rounding. We require
@@ -117,8 +119,7 @@ def check_against_llamacpp(ours, recording, type_name, who):
     stats = compare(ours, theirs)
     label = f"{who} vs llama.cpp ({type_name}): " + ", ".join(f"{k} {v:.4g}" for k, v in stats.items())
     if type_name in FLOAT_TYPES:
-        scale = 1e-3 if type_name == "F32" else 3e-3
-        assert stats["max_abs"] <= scale * (1 + np.abs(theirs).max()), label
+        assert stats["rel"] <= (1e-3 if type_name == "F32" else 2e-3), label
     else:
         assert stats["rel"] <= 0.05, label
         assert stats["top1_clear"] == 1.0, label

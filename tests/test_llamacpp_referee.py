@@ -39,7 +39,7 @@ import pytest
 
 import llambda
 from llambda import convert
-from fixture_models import ARCHS, TYPES, sha256_of, write_fixture_model
+from fixture_models import ARCHS, TYPES, fixture_spec, sha256_of, write_fixture_model
 from pending import PENDING, pending_marks
 from reference_forward import reference_logits
 
@@ -130,10 +130,13 @@ def check_against_llamacpp(ours, recording, type_name, who):
 def test_fixture_model_is_the_recorded_one(arch, type_name, model_dir):
     """The generator still writes, byte for byte, the file llama.cpp was run on."""
     recording, gguf_path, _ = _fixture(arch, type_name, model_dir)
+    now = fixture_spec(arch, type_name, recording.params["seed"]).as_dict()
+    changed = sorted(k for k in now.keys() | recording.params.keys()
+                     if now.get(k) != recording.params.get(k))
+    assert not changed, f"{arch}-{type_name}: generator parameters changed since the recording: {changed}"
     assert sha256_of(gguf_path) == recording.sha256, (
         f"{arch}-{type_name}: tests/fixture_models.py now writes a different file than the one "
         "llama.cpp's logits were recorded on; re-record with tools/record_llamacpp_logits.py")
-    assert recording.params["arch"] == arch and recording.params["type"] == type_name
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):

@@ -63,6 +63,7 @@ def record_one(arch: str, type_name: str, seed: int, workdir: Path) -> dict:
         ids=np.array(ids, dtype=np.int32), sha256=np.array(sha),
         params=np.array(json.dumps(params, sort_keys=True)),
         llama_cpp_version=np.array(llama_cpp.__version__),
+        system_info=np.array(llama_cpp.llama_print_system_info().decode(errors="replace")),
         settings=np.array(json.dumps(dict(n_ctx=N_CTX, n_threads=1, flash_attn=True,
                                           type_k="f32", type_v="f32")))
     )

@@ -41,7 +41,11 @@ def _gguf_names(path):
 def _cases():
     if importlib.util.find_spec("llama_cpp") is None:    # before reading any file
         return [pytest.param(None, marks=pytest.mark.skip(reason="llama-cpp-python is not installed"))]
-    files = sorted({p.resolve() for d in _model_dirs() if d.is_dir() for p in d.glob("*.gguf")})
+    files = {}          # by name: a copy of the same file in a second directory is not run twice
+    for d in _model_dirs():
+        for p in sorted(d.glob("*.gguf")) if d.is_dir() else ():
+            files.setdefault(p.name, p)
+    files = [files[name] for name in sorted(files)]
     if not files:
         return [pytest.param(None, marks=pytest.mark.skip(
             reason=f"no *.gguf in {os.pathsep.join(map(str, _model_dirs()))} (set LLAMBDA_REAL_MODELS)"))]

@@ -6,7 +6,7 @@ For one prompt:
 2. llama.cpp decodes greedily for `steps` tokens; llambda is teacher-forced
    along that path (one prefill of prompt + path) and its argmax must equal
    llama.cpp's token at every step where llama.cpp's top-2 margin is clear
-   (at least `margin` logits), where two honest implementations cannot disagree;
+   (at least `margin` logits); below it the two may honestly differ;
 3. KL(llama.cpp || llambda) of the next-token distribution at the prompt's end
    is at most `kl_max` nats.
 
@@ -23,8 +23,8 @@ import numpy as np
 
 from .errors import UserError
 
-__all__ = ["DEFAULT_PROMPTS", "DEFAULT_MARGIN", "DEFAULT_KL_MAX", "Pair", "PromptReport",
-           "compare_prompt", "format_report"]
+__all__ = ["DEFAULT_PROMPTS", "DEFAULT_MARGIN", "DEFAULT_KL_MAX", "DEFAULT_STEPS", "Pair",
+           "PromptReport", "Step", "compare_prompt", "format_report", "kl_divergence"]
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -32,8 +32,10 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Ünïcödé, emoji 🦙 and numbers 12345.678: ",
 )
-# A top-2 gap of one logit is a factor e between the two probabilities: far
-# beyond what different activation quantizations move a logit by.
+# Two implementations may pick different tokens where llama.cpp's top two are
+# closer than what their differences (activation quantization, F16 K/V) move
+# those logits by. One logit (a factor e between the two probabilities) leaves
+# several times the gaps at which llambda and llama.cpp were seen to differ.
 DEFAULT_MARGIN = 1.0
 DEFAULT_KL_MAX = 0.05
 DEFAULT_STEPS = 16
@@ -147,7 +149,7 @@ def compare_prompt(pair: Pair, prompt: str, *, steps: int = DEFAULT_STEPS,
         raise UserError("the prompt has no tokens")
     if len(prompt_ids) + steps > pair.n_ctx:
         raise UserError(f"prompt ({len(prompt_ids)} tokens) + {steps} steps exceed the context "
-                        f"({pair.n_ctx}): use a larger --ctx")
+                        f"({pair.n_ctx}) the Pair was sized for: pass this prompt to Pair too")
     theirs, path = _llamacpp_greedy(llm, prompt_ids, steps)
     ours = np.asarray(model.logits(prompt_ids + path[:-1]), dtype=np.float32)[len(prompt_ids) - 1:]
     vocab_note = ""

@@ -2,9 +2,10 @@
 
 These are the models llama.cpp judges llambda on (tests/test_llamacpp_referee.py):
 tools/record_llamacpp_logits.py ran llama.cpp on each once and stored its logits
-with the sha256 of the file it ran; the test regenerates the file from the same
-seed, checks the sha256 (so a change here is caught, not silently compared
-against logits of another model) and compares llambda's logits to the stored ones.
+with the sha256 of the file it ran and of its content (content_sha256); the test
+regenerates the file from the same seed, checks the content sha256 (so a change
+here is caught, not silently compared against logits of another model) and
+compares llambda's logits to the stored ones.
 
 Shapes are awkward on purpose but every dot-product length (dim, ffn_dim,
 n_head * head_dim) is a multiple of 256, so the same model exists in every type,
@@ -38,7 +39,7 @@ import gguf
 from gguf import GGMLQuantizationType as QType
 
 __all__ = ["ARCHS", "TYPES", "FixtureSpec", "fixture_spec", "write_fixture_model", "sha256_of",
-           "random_kquant_blocks"]
+           "content_sha256", "random_kquant_blocks"]
 
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
          "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
@@ -87,6 +88,23 @@ def fixture_spec(arch: str, type_name: str, seed: int = DEFAULT_SEED) -> Fixture
     if type_name not in TYPES:
         raise ValueError(f"type must be one of {', '.join(TYPES)}, got {type_name!r}")
     return FixtureSpec(arch, type_name, int(seed), dict(ARCHS[arch]))
+
+
+def content_sha256(path) -> str:
+    """sha256 of what the model is, not of how the file lays it out: every metadata
+    key, type and value (in file order) and every tensor's name, type, shape and
+    bytes. A new gguf writer that pads or orders differently keeps it; a changed
+    value, tensor or quantizer does not."""
+    reader = gguf.GGUFReader(path)
+    digest = hashlib.sha256()
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):          # version and counts: the container's
+            continue
+        digest.update(repr((key, [int(t) for t in fld.types], fld.contents())).encode())
+    for tensor in reader.tensors:
+        digest.update(repr((tensor.name, int(tensor.tensor_type), [int(n) for n in tensor.shape])).encode())
+        digest.update(np.ascontiguousarray(tensor.data).tobytes())
+    return digest.hexdigest()
 
 
 def sha256_of(path) -> str:

@@ -8,8 +8,8 @@ For each combination, tests/fixture_models.py writes the model from its seed,
 llama.cpp (llama-cpp-python, one thread, flash attention, F32 K/V cache so that
 float models compare tightly) evaluates a fixed 12-token id sequence, and
 tests/fixtures/llamacpp/<arch>-<type>.npz receives the logits of the recorded
-positions (float32), the ids, the generator's parameters (JSON) and the model
-file's sha256. A combination llama.cpp refuses to load is reported and skipped.
+positions (float32), the ids, the generator's parameters (JSON), the model
+file's sha256 and its content's (fixture_models.content_sha256). A combination llama.cpp refuses to load is reported and skipped.
 
 llama-cpp-python is needed only here, never by `make test`.
 """
@@ -24,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fixture_models import ARCHS, DEFAULT_SEED, TYPES, fixture_spec, sha256_of, write_fixture_model  # noqa: E402
+from fixture_models import (ARCHS, DEFAULT_SEED, TYPES, content_sha256, fixture_spec, sha256_of,  # noqa: E402
+                            write_fixture_model)
 
 OUT_DIR = ROOT / "tests" / "fixtures" / "llamacpp"
 N_IDS = 12
@@ -61,6 +62,7 @@ def record_one(arch: str, type_name: str, seed: int, workdir: Path) -> dict:
     record = dict(
         logits=logits[list(POSITIONS)], positions=np.array(POSITIONS, dtype=np.int32),
         ids=np.array(ids, dtype=np.int32), sha256=np.array(sha),
+        content_sha256=np.array(content_sha256(path)),
         params=np.array(json.dumps(params, sort_keys=True)),
         llama_cpp_version=np.array(llama_cpp.__version__),
         system_info=np.array(llama_cpp.llama_print_system_info().decode(errors="replace")),

@@ -159,6 +159,21 @@ def test_fast_path_matches_llamacpp(arch, type_name, model_dir):
     check_against_llamacpp(logits[recording.positions], recording, type_name, "fast path")
 
 
+@pytest.mark.parametrize("arch,type_name", _cases(PENDING))
+def test_fast_path_decode_matches_llamacpp(arch, type_name, model_dir):
+    """Token by token through the KV cache (the decode plans, windowed attention over
+    the cache) rather than one prefill."""
+    recording, gguf_path, llb_path = _fixture(arch, type_name, model_dir)
+    if not llb_path.exists():
+        convert.convert(gguf_path, llb_path, progress=False)
+    with llambda.load(llb_path, n_ctx=64, progress=False) as model:
+        rows = [model.logits(recording.ids[:1])[0]]
+        # evaluate() returns a view of the model's logits buffer: copy each row.
+        rows += [np.array(model.evaluate(recording.ids[:n + 1])) for n in range(1, len(recording.ids))]
+    logits = np.stack(rows)
+    check_against_llamacpp(logits[recording.positions], recording, type_name, "fast path, decoding")
+
+
 @pytest.mark.parametrize("arch,type_name", _cases(REFERENCE_PENDING))
 def test_reference_forward_matches_llamacpp(arch, type_name, model_dir):
     recording, gguf_path, _ = _fixture(arch, type_name, model_dir)

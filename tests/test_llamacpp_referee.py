@@ -39,6 +39,7 @@ import pytest
 
 import llambda
 from llambda import convert
+from llambda.llamacpp_compare import kl_divergence
 from fixture_models import ARCHS, TYPES, content_sha256, fixture_spec, sha256_of, write_fixture_model
 from pending import PENDING, pending_marks
 from reference_forward import reference_logits
@@ -91,18 +92,11 @@ def _fixture(arch, type_name, model_dir):
     return _models[key]
 
 
-def _log_softmax(x):
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def compare(ours, theirs, clear_margin=0.02):
     """Agreement of our logits with llama.cpp's: max |d| (absolute and / spread), top-1
     agreement over all positions and over those whose top-2 margin is clear
     (>= clear_margin * spread), mean KL(llama.cpp || ours)."""
-    lp, lq = _log_softmax(theirs), _log_softmax(ours)
-    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    kl = float(kl_divergence(theirs, ours).mean())
     spread = theirs.max() - theirs.min()
     top2 = np.sort(theirs, -1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) >= clear_margin * spread

@@ -7,17 +7,8 @@ strict). Delete a row when its branch merges.
 import pytest
 
 PENDING = {
-    "qwen2": "qwen2 architecture (arch branch)",
-    "qwen3": "qwen3 architecture (arch branch)",
-    "phi3": "phi3 architecture (arch branch)",
-    "gemma3": "gemma3 architecture (arch branch)",
-    "Q5_0": "Q5_0 tensors (q5 branch)",
-    "Q5_1": "Q5_1 tensors (q5 branch)",
     "Q4_K": "Q4_K tensors (kq32 branch)",
     "Q5_K": "Q5_K tensors (kq32 branch)",
-    "Q6_K": "Q6_K tensors (kq16 branch)",
-    "Q3_K": "Q3_K tensors (kq16 branch)",
-    "Q2_K": "Q2_K tensors (kq16 branch)",
 }
 
 

@@ -17,7 +17,7 @@ from llambda.runtime.recorder import PlanRecorder
 KS = (32, 64, 576, 2048)
 NS = (1, 7, 8, 9, 100)
 MS = (1, 3, 17)
-BLOCK = 32
+from llambda.codegen.contract import BLOCK
 Q4_TYPES = ("Q4_0", "Q4_1")
 
 

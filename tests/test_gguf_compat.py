@@ -9,7 +9,7 @@ from helpers import nan_buffer, float_arrays
 from llambda.runtime import buffers, layouts
 from llambda.runtime.ref.quant import quantize_gguf
 
-BLOCK = 32
+from llambda.codegen.contract import BLOCK
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 

@@ -15,8 +15,7 @@ from llambda.runtime.layout_q5 import packed_quants, unpacked_quants
 from llambda.runtime.layouts import PackedWeight
 from llambda.runtime.ref.gguf_blocks import Q5_BLOCK_BYTES, dequantize_q5_0, dequantize_q5_1
 
-BLOCK = 32
-GROUP = 8
+from llambda.codegen.contract import BLOCK, GROUP
 TYPES = ("Q5_0", "Q5_1")
 REFERENCE = {"Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1}
 SCALE_FIELDS = {"Q5_0": 1, "Q5_1": 2}

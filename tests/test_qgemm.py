@@ -8,8 +8,7 @@ from helpers import nan_buffer, float_arrays
 from llambda.runtime import buffers, layouts
 from llambda.runtime.layouts import PackedWeight
 
-BLOCK = 32
-GROUP = 8
+from llambda.codegen.contract import BLOCK, GROUP
 # The qgemm variants, baseline first. Register tiles in codegen/qgemm.py: AVX2 6 rows x 8
 # columns (remainders of 1..5 rows); AVX-512 16 x 16 (then 8-row tiles, remainders of 4, 2
 # and 1 rows; a lone last row group), sampled below with their edges.

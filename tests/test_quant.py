@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 from helpers import nan_buffer, sizes, float_arrays
 from llambda.runtime import buffers
 
-BLOCK = 32
+from llambda.codegen.contract import BLOCK
 
 
 def quantized_outputs(m, k):

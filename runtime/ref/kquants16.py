@@ -15,7 +15,7 @@ The packer (runtime/layout_kquant16.py) repacks the decoded integers.
 """
 import numpy as np
 
-SUPER_BLOCK = 256
+from ...codegen.contract import SUPER_BLOCK
 SUB_BLOCK = 16
 SUBS = SUPER_BLOCK // SUB_BLOCK
 # bytes per super-block

@@ -29,6 +29,8 @@ class KindTraits:
 TRAITS = {t.kind: t for t in (
     KindTraits("q4_1", activation="q8", linear="qgemm", embed=True),
     KindTraits("q8_0", activation="q8", linear="qgemm", embed=True),
+    KindTraits("q4_k", activation="q8", linear="qgemm"),
+    KindTraits("q5_k", activation="q8", linear="qgemm"),
     KindTraits("f32", activation="f32", linear="gemm_f32"),
     KindTraits("f16", activation="f32", linear="gemm_f16"),
 )}

@@ -8,6 +8,9 @@ meaning depends on ``kind``:
     q4_1    qs (nibbles, 8 rows interleaved 4 bytes at a time), dm (f16 scales, mins)
             -- Q4_0 (as m = -8d) and Q4_1 weights
     q8_0    qs (int8, 8 rows interleaved 4 bytes at a time), d (f16 scales) -- Q8_0 weights
+    q4_k    qs (nibbles as q4_1), scales (per super-block: f16 d, -dmin, u8 block scales, mins)
+            -- Q4_K weights (layout_kquant.py)
+    q5_k    qs (nibbles as q4_1, then the high bits), scales (as q4_k) -- Q5_K weights
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 
@@ -55,6 +58,7 @@ def register(layout):
 
 def _load_layouts():
     from . import layout_quant, layout_float  # noqa: F401  (each calls register)
+    from . import layout_kquant  # noqa: F401
 
 
 def supported_types():

@@ -156,12 +156,16 @@ class Registers:
 
 # --------------------------------------------------------------------------- driver (both ISAs)
 
-def emit_qgemm(kind, isa):
+def emit_qgemm(kind, isa, tiles=None):
+    """The kernel of ``kind`` for ``isa``; ``tiles`` maps an ISA to another tile emitter
+    (codegen/qgemm_kquant.py's, which walk super-blocks) on this driver."""
     tiling = TILINGS[isa]
     if isa == "avx2":
         open_function, emit_tile = function, emit_tile_avx2
     else:
         open_function, emit_tile = upper_zmm_function, emit_tile_avx512
+    if tiles is not None:
+        emit_tile = tiles[isa]
     fn, args = open_function(kernel_symbol(kind.name, isa), SIGNATURE, isa)
     a_wq, a_wscale, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
     with fn:

@@ -1,0 +1,275 @@
+"""K-quant weight GEMM: Q4_K / Q5_K weights x Q8 activations on the qgemm driver.
+
+    llb_qgemm_q4_k_q8_6x8__avx2(wq, wscale, aq, ad, asum, out, m, n, kb, ldo)
+    llb_qgemm_q5_k_q8_16x16__avx512(...)         (and the other two)
+
+The arguments, tiles, loops and stores are codegen/qgemm.py's; only the tiles'
+block loop differs. ``wq`` points at a ``q4_k`` / ``q5_k`` weight's ``qs`` and
+``wscale`` at its ``scales`` (runtime/layout_kquant.py): per super-block of a
+row group one 160-byte record with the 8 rows' f16 ``d`` and ``-dmin`` and, per
+32-weight block, their uint8 sub-block scales ``sc`` and mins ``m``.
+
+A K-quant block is a q4_1 block whose scale and min are ``d * sc`` and
+``-dmin * m``, so per block
+
+    out += (d * sc * d_a) * sum(q_w * q_a) + (-dmin * m) * s_a
+
+with the integer dot product exact in int32 and the two products of scale
+fields exact in f32 (11 x 6 mantissa bits). The tile walks super-blocks, their
+8 blocks unrolled: each block widens its 8 (AVX-512: 16) sub-scales and mins
+(``vpmovzxbd``, ``vcvtdq2ps``) and multiplies them by the record's ``d`` and
+``-dmin`` (``vcvtph2ps``), a few instructions per block shared by every
+activation row of the tile; the record pointer moves once per super-block.
+
+Q5_K's fifth quant bit. The fifth chunk of a block holds each row's 32 high
+bits, arranged so that for chunk c one word shift brings the bits of the low
+nibbles (bit 2c of each byte) and of the high nibbles (bit 2c + 1) to bit 4,
+where a mask 0x10 and an OR put them over the nibbles: q in 0..31. A
+``vpmaddubsw`` pair sum is then up to 2 * 31 * 127 = 7874, so at most four of
+them are summed in int16: on AVX2 chunks 0 and 1 accumulate in int16 and go
+to int32 with one ``vpmaddwd``; chunks 2 and 3 each add their two products in
+int16 and widen them on their own. (``vpdpbusd`` sums into int32: no limit.)
+
+Summation order: every tile, AVX2 or AVX-512, any row count, adds each block
+to one f32 accumulator per row with the same three operations (a multiply
+for the scale product, then an FMA for the dot product and one for the min
+term), so results are bit-identical across tiles and ISAs: a row's result does
+not depend on the other rows of its batch.
+"""
+from dataclasses import dataclass
+
+from peachpy import Constant
+from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SUB, SHR, MOV, XOR, JNZ,
+                            VMOVDQA, VMOVDQU, VMOVQ, VPINSRQ, VPSRLW, VPSLLW, VPAND, VPOR, VPANDD, VPORD,
+                            VPBROADCASTD, VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPMOVZXBD, VCVTDQ2PS,
+                            VCVTPH2PS, VMULPS, VXORPS, VINSERTI128, PREFETCHT0)
+
+from .contract import (BLOCK, CHUNK, GROUP, KQ_SUB_BLOCKS, KQ_MINS_OFFSET, KQ_BLOCK_SCALES_OFFSET,
+                       KQ_BLOCK_SCALES_BYTES, KQ_SCALE_RECORD)
+from .qgemm import (PREFETCH_BYTES, YMM_COUNT, RowAddresses, TOTALS, NIBBLE_BYTES, emit_qgemm, emit_block_scale,
+                    store_tile_avx2, store_tile_avx512, rewind_blocks, broadcast_constant, load_pair, zero,
+                    emit_row_q4_1)
+
+ISAS = ("avx2", "avx512")
+NIBBLE_CHUNKS = BLOCK // 2 // CHUNK          # 4 chunks of nibbles per block
+HIGH_BIT = 0x10                              # the fifth bit, over a nibble
+LINE = 64
+
+
+@dataclass(frozen=True)
+class KQuantKind:
+    name: str
+    quant_bytes: int      # per block of one group (8 rows): nibbles (+ high bits)
+    five_bit: bool
+    # the driver's pointer arithmetic counts per block: a record per 8 blocks
+    scale_bytes: int = KQ_SCALE_RECORD // KQ_SUB_BLOCKS
+    has_min: bool = True
+
+    @property
+    def high_bits_offset(self):
+        return NIBBLE_CHUNKS * GROUP * CHUNK
+
+
+Q4_K = KQuantKind("q4_k", quant_bytes=GROUP * BLOCK // 2, five_bit=False)
+Q5_K = KQuantKind("q5_k", quant_bytes=GROUP * BLOCK // 2 + GROUP * BLOCK // 8, five_bit=True)
+KINDS = (Q4_K, Q5_K)
+
+
+def high_bit_shifts(c):
+    """Word shifts (left if positive) that bring chunk c's high bits to bit 4: (low nibbles, high)."""
+    return 4 - 2 * c, 3 - 2 * c
+
+
+def shift_words(target, source, count):
+    if count > 0:
+        VPSLLW(target, source, count)
+    elif count < 0:
+        VPSRLW(target, source, -count)
+    return count != 0
+
+
+def advance_block(r, kind):
+    """Next block's activations and quants; the scale record moves once per super-block."""
+    ADD(r.act, BLOCK)
+    ADD(r.act_scale, 4)
+    ADD(r.act_sum, 4)
+    ADD(r.wq, kind.quant_bytes)
+
+
+def start_super_blocks(r):
+    MOV(r.blocks_left, r.scale_stride)
+    SHR(r.blocks_left, 2 + 3)                 # kb floats * 4 bytes -> kb / 8 super-blocks
+
+
+# --------------------------------------------------------------------------- AVX2 tile
+
+class Constants:
+    """Vector constants in registers while the tile leaves some free, else memory operands."""
+
+    def __init__(self, kind, rows):
+        spare = YMM_COUNT - 4 - 2 * rows        # lo, hi, two temporaries; block sums, accumulators
+        wanted = {"nibble": Constant.uint32x8(0x0F0F0F0F), "ones": Constant.uint16x16(1)}
+        if kind.five_bit:
+            wanted["high"] = Constant.uint32x8(HIGH_BIT * 0x01010101)
+        for name, constant in wanted.items():
+            if spare > 0:
+                register = YMMRegister()
+                VMOVDQA(register, constant)
+                constant, spare = register, spare - 1
+            setattr(self, name, constant)
+
+
+def prefetch_block(r, kind, b):
+    """The decode GEMV streams the weights once: prefetch the cache lines that start inside
+    block b (at the same distance as codegen/qgemm.py), and the scale records as far ahead."""
+    start = kind.quant_bytes * b
+    for line in range(-(-start // LINE) * LINE, start + kind.quant_bytes, LINE):
+        PREFETCHT0([r.wq + PREFETCH_BYTES + line - start])
+    ahead = PREFETCH_BYTES * KQ_SCALE_RECORD // (KQ_SUB_BLOCKS * kind.quant_bytes) // LINE * LINE
+    if b * LINE < KQ_SCALE_RECORD:
+        PREFETCHT0([r.wscale + ahead + b * LINE])
+
+
+def emit_block_avx2(r, kind, consts, acc, facc, b):
+    """Block b of the super-block for ``len(acc)`` activation rows: facc += its products."""
+    lo, hi, t, prod = (YMMRegister() for _ in range(4))
+    row = RowAddresses(r.act, r.row_stride, r.spare, len(acc))
+    row.prepare()
+    for c in range(NIBBLE_CHUNKS):
+        VMOVDQA(lo, [r.wq + 32 * c])
+        VPSRLW(hi, lo, 4)
+        VPAND(lo, lo, consts.nibble)
+        VPAND(hi, hi, consts.nibble)
+        if kind.five_bit:
+            for nibbles, count in zip((lo, hi), high_bit_shifts(c)):
+                VMOVDQA(t, [r.wq + kind.high_bits_offset])
+                shift_words(t, t, count)
+                VPAND(t, t, consts.high)
+                VPOR(nibbles, nibbles, t)
+        for i in range(len(acc)):
+            # low nibbles are weights 4c..4c+3 of the block, high nibbles 16+4c..16+4c+3
+            if kind.five_bit and c >= 2:
+                VPBROADCASTD(t, row(i, CHUNK * c))
+                VPMADDUBSW(t, lo, t)
+                VPBROADCASTD(prod, row(i, BLOCK // 2 + CHUNK * c))
+                VPMADDUBSW(prod, hi, prod)
+                VPADDW(t, t, prod)
+                VPMADDWD(t, t, consts.ones)
+                VPADDD(acc[i], acc[i], t)
+                continue
+            VPBROADCASTD(t, row(i, CHUNK * c))
+            if c == 0:
+                VPMADDUBSW(acc[i], lo, t)
+            else:
+                VPMADDUBSW(t, lo, t)
+                VPADDW(acc[i], acc[i], t)
+            VPBROADCASTD(t, row(i, BLOCK // 2 + CHUNK * c))
+            VPMADDUBSW(t, hi, t)
+            VPADDW(acc[i], acc[i], t)
+        if c == (1 if kind.five_bit else NIBBLE_CHUNKS - 1):
+            for a in acc:
+                VPMADDWD(a, a, consts.ones)
+    d_w, m_w = lo, hi
+    scales = KQ_BLOCK_SCALES_OFFSET + KQ_BLOCK_SCALES_BYTES * b
+    for target, sub_offset, super_offset in ((d_w, 0, 0), (m_w, GROUP, KQ_MINS_OFFSET)):
+        VPMOVZXBD(target, [r.wscale + scales + sub_offset])
+        VCVTDQ2PS(target, target)
+        VCVTPH2PS(prod, [r.wscale + super_offset])
+        VMULPS(target, target, prod)
+    emit_block_scale(r, acc, [[f] for f in facc], d_w, m_w, t, prod)
+
+
+def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
+    """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
+    consts = Constants(kind, rows)
+    facc = [YMMRegister() for _ in range(rows)]
+    for f in facc:
+        VXORPS(f, f, f)
+    start_super_blocks(r)
+    with Loop() as supers:
+        for b in range(KQ_SUB_BLOCKS):
+            if rows == 1:
+                prefetch_block(r, kind, b)
+            acc = [YMMRegister() for _ in range(rows)]
+            emit_block_avx2(r, kind, consts, acc, facc, b)
+            advance_block(r, kind)
+        ADD(r.wscale, KQ_SCALE_RECORD)
+        SUB(r.blocks_left, 1)
+        JNZ(supers.begin)
+    rewind_blocks(r, kind)
+    store_tile_avx2(r, facc, ldo_bytes, name)
+
+
+# --------------------------------------------------------------------------- AVX-512 tile
+
+def load_block_avx512(r, kind, nibbles, high, b):
+    """Block b's quants of both groups, (low, high) per chunk, and its d * sc and -dmin * m."""
+    if kind.five_bit:
+        bits = ZMMRegister()
+        load_pair(r, bits, kind.high_bits_offset)
+    weights = []
+    for c in range(NIBBLE_CHUNKS):
+        low, upper = ZMMRegister(), ZMMRegister()
+        load_pair(r, low, 32 * c)
+        VPSRLW(upper, low, 4)
+        VPANDD(low, low, nibbles)
+        VPANDD(upper, upper, nibbles)
+        if kind.five_bit:
+            for quants, count in zip((low, upper), high_bit_shifts(c)):
+                t = ZMMRegister()
+                if shift_words(t, bits, count):
+                    VPANDD(t, t, high)
+                else:
+                    VPANDD(t, bits, high)
+                VPORD(quants, quants, t)
+        weights.append((low, upper))
+    return (weights,) + tuple(block_scales_avx512(r, b))
+
+
+def block_scales_avx512(r, b):
+    """Group g's 8 and group g + 1's 8 block scales times their rows' d (then mins, -dmin)."""
+    scales = KQ_BLOCK_SCALES_OFFSET + KQ_BLOCK_SCALES_BYTES * b
+    for sub_offset, super_offset in ((0, 0), (GROUP, KQ_MINS_OFFSET)):
+        packed, halves = XMMRegister(), YMMRegister()
+        value, factor = ZMMRegister(), ZMMRegister()
+        VMOVQ(packed, [r.wscale + scales + sub_offset])
+        VPINSRQ(packed, packed, [r.wscale + r.pair_scales * 1 + scales + sub_offset], 1)
+        VPMOVZXBD(value, packed)
+        VCVTDQ2PS(value, value)
+        VMOVDQU(halves.as_xmm, [r.wscale + super_offset])
+        VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1 + super_offset], 1)
+        VCVTPH2PS(factor, halves)
+        VMULPS(value, value, factor)
+        yield value
+
+
+def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
+    """out[rows x 16] of the current group pair and row tile; leaves the pointers where it found them."""
+    totals = TOTALS[:rows]
+    for total in totals:
+        zero(total)
+    nibbles = broadcast_constant(r, NIBBLE_BYTES)
+    high = broadcast_constant(r, HIGH_BIT * 0x01010101) if kind.five_bit else None
+    start_super_blocks(r)
+    with Loop() as supers:
+        for b in range(KQ_SUB_BLOCKS):
+            weights, d_w, m_w = load_block_avx512(r, kind, nibbles, high, b)
+            # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
+            XOR(r.spare, r.spare)
+            for i, total in enumerate(totals):
+                emit_row_q4_1(r, weights, d_w, m_w, total)
+                if i + 1 < rows:
+                    ADD(r.spare, r.scale_stride)
+            advance_block(r, kind)
+        ADD(r.wscale, KQ_SCALE_RECORD)
+        SUB(r.blocks_left, 1)
+        JNZ(supers.begin)
+    rewind_blocks(r, kind)
+    store_tile_avx512(r, totals, ldo_bytes, name)
+
+
+TILES = {"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}
+
+
+def emit(isa):
+    return [emit_qgemm(kind, isa, tiles=TILES) for kind in KINDS]

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
-from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, qgemm_symbol
+from ...codegen.contract import BLOCK, GROUP, QUANT_ARRAYS, block_multiple, qgemm_symbol
 from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -65,6 +65,8 @@ def _check_weight(w, k):
         raise ValueError(f"w: qgemm needs a weight of kind {', '.join(quantized_kinds())}, got kind {w.kind!r}")
     if w.k != k:
         raise ValueError(f"w: has k = {w.k} but the activations have k = {k}")
+    if k % block_multiple(w.kind):
+        raise ValueError(f"w: kind {w.kind} needs k to be a multiple of {block_multiple(w.kind)}, got k = {k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernels need {GROUP}")
     groups, blocks = -(-w.n // GROUP), k // BLOCK

@@ -279,3 +279,13 @@ def test_qgemm_rejects_bad_k_quant_weights(native, isa):
     with pytest.raises(ValueError, match="w: has k = 256 but the activations have k = 512"):
         n_quant.qgemm_call(buffers.zeros((m, 512), np.int8), buffers.zeros((m, 16)), buffers.zeros((m, 16)),
                            w, out, isa=isa)
+
+
+def test_pack_scale_min_is_the_inverse_of_scale_min():
+    rng = np.random.default_rng(3)
+    sc, m = rng.integers(0, 64, (50, 8), dtype=np.uint8), rng.integers(0, 64, (50, 8), dtype=np.uint8)
+    back = kquants.scale_min(kquants.pack_scale_min(sc, m))
+    np.testing.assert_array_equal(back[0], sc)
+    np.testing.assert_array_equal(back[1], m)
+    with pytest.raises(ValueError, match="6 bits"):
+        kquants.pack_scale_min(sc + 64, m)

@@ -45,6 +45,17 @@ def scale_min(scales):
     return sc, m
 
 
+def pack_scale_min(sc, m):
+    """The inverse of ``scale_min``: 6-bit sc, m uint8 [..., 8] -> the 12 packed bytes [..., 12]."""
+    sc, m = np.asarray(sc, np.uint8), np.asarray(m, np.uint8)
+    if sc.max(initial=0) > 63 or m.max(initial=0) > 63:
+        raise ValueError("pack_scale_min: scales and mins must fit in 6 bits (0..63)")
+    first = (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6)
+    second = (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6)
+    low = (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    return np.concatenate([first, second, low], axis=-1).astype(np.uint8)
+
+
 def super_blocks(type_name, raw, k=None):
     """Raw K-quant bytes -> uint8 [super-blocks, bytes]; k (if given) must be a multiple of 256."""
     if k is not None and (k < 1 or k % SUPER_BLOCK):

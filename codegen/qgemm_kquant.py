@@ -103,8 +103,13 @@ def start_super_blocks(r):
 
 # --------------------------------------------------------------------------- AVX2 tile
 
-class Constants:
-    """Vector constants in registers while the tile leaves some free, else memory operands."""
+class Registers:
+    """What the tile keeps in the registers its rows leave free, most useful first (else memory
+    operands and reloads): the vector constants; the super-block's d and -dmin as f32 (each a
+    2-uop vcvtph2ps per block otherwise); Q5_K's high-bit chunk (loaded once per block, not per
+    use); a second int16 block sum per row (Q5_K: chunks 2 and 3 then need no widening of their
+    own). Only integer work and loads move: the f32 operations, and so the results, are the same
+    for every tile."""
 
     def __init__(self, kind, rows):
         spare = YMM_COUNT - 4 - 2 * rows        # lo, hi, two temporaries; block sums, accumulators
@@ -117,6 +122,20 @@ class Constants:
                 VMOVDQA(register, constant)
                 constant, spare = register, spare - 1
             setattr(self, name, constant)
+        self.super_scales = spare >= 2
+        spare -= 2 * self.super_scales
+        self.high_bits = kind.five_bit and spare >= 1
+        spare -= self.high_bits
+        self.second_sums = kind.five_bit and spare >= rows
+
+    def load_super_scales(self, r):
+        """f32 d and -dmin of the super-block's 8 rows, or their addresses."""
+        if not self.super_scales:
+            self.d, self.neg_dmin = [r.wscale], [r.wscale + KQ_MINS_OFFSET]
+            return
+        self.d, self.neg_dmin = YMMRegister(), YMMRegister()
+        VCVTPH2PS(self.d, [r.wscale])
+        VCVTPH2PS(self.neg_dmin, [r.wscale + KQ_MINS_OFFSET])
 
 
 def prefetch_block(r, kind, b):
@@ -130,68 +149,88 @@ def prefetch_block(r, kind, b):
         PREFETCHT0([r.wscale + ahead + b * LINE])
 
 
-def emit_block_avx2(r, kind, consts, acc, facc, b):
+def emit_block_avx2(r, kind, regs, acc, facc, b):
     """Block b of the super-block for ``len(acc)`` activation rows: facc += its products."""
     lo, hi, t, prod = (YMMRegister() for _ in range(4))
     row = RowAddresses(r.act, r.row_stride, r.spare, len(acc))
     row.prepare()
+    high_bits = [r.wq + kind.high_bits_offset]
+    if kind.five_bit and regs.high_bits:
+        high_bits = YMMRegister()
+        VMOVDQA(high_bits, [r.wq + kind.high_bits_offset])
+    late = [YMMRegister() for _ in acc] if regs.second_sums else None   # chunks 2, 3 (Q5_K)
     for c in range(NIBBLE_CHUNKS):
         VMOVDQA(lo, [r.wq + 32 * c])
         VPSRLW(hi, lo, 4)
-        VPAND(lo, lo, consts.nibble)
-        VPAND(hi, hi, consts.nibble)
+        VPAND(lo, lo, regs.nibble)
+        VPAND(hi, hi, regs.nibble)
         if kind.five_bit:
             for nibbles, count in zip((lo, hi), high_bit_shifts(c)):
-                VMOVDQA(t, [r.wq + kind.high_bits_offset])
-                shift_words(t, t, count)
-                VPAND(t, t, consts.high)
+                if isinstance(high_bits, YMMRegister):
+                    if not shift_words(t, high_bits, count):
+                        VPAND(t, high_bits, regs.high)
+                    else:
+                        VPAND(t, t, regs.high)
+                else:
+                    VMOVDQA(t, high_bits)
+                    shift_words(t, t, count)
+                    VPAND(t, t, regs.high)
                 VPOR(nibbles, nibbles, t)
         for i in range(len(acc)):
-            # low nibbles are weights 4c..4c+3 of the block, high nibbles 16+4c..16+4c+3
-            if kind.five_bit and c >= 2:
+            # low nibbles are weights 4c..4c+3 of the block, high nibbles 16+4c..16+4c+3;
+            # at most four pair sums of 5-bit quants fit an int16 lane
+            if kind.five_bit and c >= 2 and late is None:
                 VPBROADCASTD(t, row(i, CHUNK * c))
                 VPMADDUBSW(t, lo, t)
                 VPBROADCASTD(prod, row(i, BLOCK // 2 + CHUNK * c))
                 VPMADDUBSW(prod, hi, prod)
                 VPADDW(t, t, prod)
-                VPMADDWD(t, t, consts.ones)
+                VPMADDWD(t, t, regs.ones)
                 VPADDD(acc[i], acc[i], t)
                 continue
+            target = late[i] if kind.five_bit and c >= 2 else acc[i]
             VPBROADCASTD(t, row(i, CHUNK * c))
-            if c == 0:
-                VPMADDUBSW(acc[i], lo, t)
+            if c in (0, 2) and target is not acc[i] or c == 0:
+                VPMADDUBSW(target, lo, t)
             else:
                 VPMADDUBSW(t, lo, t)
-                VPADDW(acc[i], acc[i], t)
+                VPADDW(target, target, t)
             VPBROADCASTD(t, row(i, BLOCK // 2 + CHUNK * c))
             VPMADDUBSW(t, hi, t)
-            VPADDW(acc[i], acc[i], t)
+            VPADDW(target, target, t)
         if c == (1 if kind.five_bit else NIBBLE_CHUNKS - 1):
             for a in acc:
-                VPMADDWD(a, a, consts.ones)
+                VPMADDWD(a, a, regs.ones)
+    if late is not None:
+        for a, extra in zip(acc, late):
+            VPMADDWD(extra, extra, regs.ones)
+            VPADDD(a, a, extra)
     d_w, m_w = lo, hi
     scales = KQ_BLOCK_SCALES_OFFSET + KQ_BLOCK_SCALES_BYTES * b
-    for target, sub_offset, super_offset in ((d_w, 0, 0), (m_w, GROUP, KQ_MINS_OFFSET)):
+    for target, sub_offset, factor in ((d_w, 0, regs.d), (m_w, GROUP, regs.neg_dmin)):
         VPMOVZXBD(target, [r.wscale + scales + sub_offset])
         VCVTDQ2PS(target, target)
-        VCVTPH2PS(prod, [r.wscale + super_offset])
-        VMULPS(target, target, prod)
+        if not isinstance(factor, YMMRegister):
+            VCVTPH2PS(prod, factor)
+            factor = prod
+        VMULPS(target, target, factor)
     emit_block_scale(r, acc, [[f] for f in facc], d_w, m_w, t, prod)
 
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
-    consts = Constants(kind, rows)
+    regs = Registers(kind, rows)
     facc = [YMMRegister() for _ in range(rows)]
     for f in facc:
         VXORPS(f, f, f)
     start_super_blocks(r)
     with Loop() as supers:
+        regs.load_super_scales(r)
         for b in range(KQ_SUB_BLOCKS):
             if rows == 1:
                 prefetch_block(r, kind, b)
             acc = [YMMRegister() for _ in range(rows)]
-            emit_block_avx2(r, kind, consts, acc, facc, b)
+            emit_block_avx2(r, kind, regs, acc, facc, b)
             advance_block(r, kind)
         ADD(r.wscale, KQ_SCALE_RECORD)
         SUB(r.blocks_left, 1)

@@ -88,12 +88,12 @@ def shift_words(target, source, count):
     return count != 0
 
 
-def advance_block(r, kind):
-    """Next block's activations and quants; the scale record moves once per super-block."""
-    ADD(r.act, BLOCK)
-    ADD(r.act_scale, 4)
-    ADD(r.act_sum, 4)
-    ADD(r.wq, kind.quant_bytes)
+def advance_block(r, kind, blocks=1):
+    """Activations and quants ``blocks`` blocks on; the scale record moves once per super-block."""
+    ADD(r.act, BLOCK * blocks)
+    ADD(r.act_scale, 4 * blocks)
+    ADD(r.act_sum, 4 * blocks)
+    ADD(r.wq, kind.quant_bytes * blocks)
 
 
 def start_super_blocks(r):
@@ -141,26 +141,28 @@ class Registers:
 def prefetch_block(r, kind, b):
     """The decode GEMV streams the weights once: prefetch the cache lines that start inside
     block b (at the same distance as codegen/qgemm.py), and the scale records as far ahead."""
-    start = kind.quant_bytes * b
+    start = kind.quant_bytes * b               # wq points at the super-block
     for line in range(-(-start // LINE) * LINE, start + kind.quant_bytes, LINE):
-        PREFETCHT0([r.wq + PREFETCH_BYTES + line - start])
+        PREFETCHT0([r.wq + PREFETCH_BYTES + line])
     ahead = PREFETCH_BYTES * KQ_SCALE_RECORD // (KQ_SUB_BLOCKS * kind.quant_bytes) // LINE * LINE
     if b * LINE < KQ_SCALE_RECORD:
         PREFETCHT0([r.wscale + ahead + b * LINE])
 
 
 def emit_block_avx2(r, kind, regs, acc, facc, b):
-    """Block b of the super-block for ``len(acc)`` activation rows: facc += its products."""
+    """Block b of the super-block for ``len(acc)`` activation rows: facc += its products.
+    The pointers stay at the super-block (displacements reach its blocks)."""
+    quants, act = kind.quant_bytes * b, BLOCK * b
     lo, hi, t, prod = (YMMRegister() for _ in range(4))
     row = RowAddresses(r.act, r.row_stride, r.spare, len(acc))
     row.prepare()
-    high_bits = [r.wq + kind.high_bits_offset]
+    high_bits = [r.wq + quants + kind.high_bits_offset]
     if kind.five_bit and regs.high_bits:
         high_bits = YMMRegister()
-        VMOVDQA(high_bits, [r.wq + kind.high_bits_offset])
+        VMOVDQA(high_bits, [r.wq + quants + kind.high_bits_offset])
     late = [YMMRegister() for _ in acc] if regs.second_sums else None   # chunks 2, 3 (Q5_K)
     for c in range(NIBBLE_CHUNKS):
-        VMOVDQA(lo, [r.wq + 32 * c])
+        VMOVDQA(lo, [r.wq + quants + 32 * c])
         VPSRLW(hi, lo, 4)
         VPAND(lo, lo, regs.nibble)
         VPAND(hi, hi, regs.nibble)
@@ -180,22 +182,22 @@ def emit_block_avx2(r, kind, regs, acc, facc, b):
             # low nibbles are weights 4c..4c+3 of the block, high nibbles 16+4c..16+4c+3;
             # at most four pair sums of 5-bit quants fit an int16 lane
             if kind.five_bit and c >= 2 and late is None:
-                VPBROADCASTD(t, row(i, CHUNK * c))
+                VPBROADCASTD(t, row(i, act + CHUNK * c))
                 VPMADDUBSW(t, lo, t)
-                VPBROADCASTD(prod, row(i, BLOCK // 2 + CHUNK * c))
+                VPBROADCASTD(prod, row(i, act + BLOCK // 2 + CHUNK * c))
                 VPMADDUBSW(prod, hi, prod)
                 VPADDW(t, t, prod)
                 VPMADDWD(t, t, regs.ones)
                 VPADDD(acc[i], acc[i], t)
                 continue
             target = late[i] if kind.five_bit and c >= 2 else acc[i]
-            VPBROADCASTD(t, row(i, CHUNK * c))
+            VPBROADCASTD(t, row(i, act + CHUNK * c))
             if c in (0, 2) and target is not acc[i] or c == 0:
                 VPMADDUBSW(target, lo, t)
             else:
                 VPMADDUBSW(t, lo, t)
                 VPADDW(target, target, t)
-            VPBROADCASTD(t, row(i, BLOCK // 2 + CHUNK * c))
+            VPBROADCASTD(t, row(i, act + BLOCK // 2 + CHUNK * c))
             VPMADDUBSW(t, hi, t)
             VPADDW(target, target, t)
         if c == (1 if kind.five_bit else NIBBLE_CHUNKS - 1):
@@ -214,7 +216,7 @@ def emit_block_avx2(r, kind, regs, acc, facc, b):
             VCVTPH2PS(prod, factor)
             factor = prod
         VMULPS(target, target, factor)
-    emit_block_scale(r, acc, [[f] for f in facc], d_w, m_w, t, prod)
+    emit_block_scale(r, acc, [[f] for f in facc], d_w, m_w, t, prod, offset=4 * b)
 
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
@@ -231,7 +233,7 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
                 prefetch_block(r, kind, b)
             acc = [YMMRegister() for _ in range(rows)]
             emit_block_avx2(r, kind, regs, acc, facc, b)
-            advance_block(r, kind)
+        advance_block(r, kind, KQ_SUB_BLOCKS)
         ADD(r.wscale, KQ_SCALE_RECORD)
         SUB(r.blocks_left, 1)
         JNZ(supers.begin)

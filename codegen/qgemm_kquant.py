@@ -18,17 +18,26 @@ with the integer dot product exact in int32 and the two products of scale
 fields exact in f32 (11 x 6 mantissa bits). The tile walks super-blocks, their
 8 blocks unrolled: each block widens its 8 (AVX-512: 16) sub-scales and mins
 (``vpmovzxbd``, ``vcvtdq2ps``) and multiplies them by the record's ``d`` and
-``-dmin`` (``vcvtph2ps``), a few instructions per block shared by every
-activation row of the tile; the record pointer moves once per super-block.
+``-dmin``, converted once per super-block when registers allow; that is a few
+instructions per block shared by every activation row of the tile. The AVX2
+tile's pointers stay at the super-block (displacements reach its blocks); the
+AVX-512 one walks block by block (PeachPy misencodes broadcast displacements
+that are multiples of 64, see peachpy_ext.broadcast).
+
+Decode (m < 4) runs on AVX-512 too when the CPU has it (runtime/native/quant.py
+AVX512_DECODE_KINDS): the AVX2 GEMV is bound by its unpacking instructions, not by
+memory, and the AVX-512 one-row tile does half of them per byte and prefetches
+all four of its streams (two groups' quants and scale records).
 
 Q5_K's fifth quant bit. The fifth chunk of a block holds each row's 32 high
 bits, arranged so that for chunk c one word shift brings the bits of the low
 nibbles (bit 2c of each byte) and of the high nibbles (bit 2c + 1) to bit 4,
-where a mask 0x10 and an OR put them over the nibbles: q in 0..31. A
-``vpmaddubsw`` pair sum is then up to 2 * 31 * 127 = 7874, so at most four of
-them are summed in int16: on AVX2 chunks 0 and 1 accumulate in int16 and go
-to int32 with one ``vpmaddwd``; chunks 2 and 3 each add their two products in
-int16 and widen them on their own. (``vpdpbusd`` sums into int32: no limit.)
+where a mask 0x10 and an OR (AVX-512: one ``vpternlogd``) put them over the
+nibbles: q in 0..31. A ``vpmaddubsw`` pair sum is then up to 2 * 31 * 127 =
+7874, so at most four of them are summed in int16: on AVX2 chunks 0 and 1
+accumulate in int16 and go to int32 with one ``vpmaddwd``; chunks 2 and 3 do
+the same in a second int16 sum where the tile has a register for it, else each
+widens its two products on its own. (``vpdpbusd`` sums into int32: no limit.)
 
 Summation order: every tile, AVX2 or AVX-512, any row count, adds each block
 to one f32 accumulator per row with the same three operations (a multiply
@@ -40,7 +49,7 @@ from dataclasses import dataclass
 
 from peachpy import Constant
 from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SUB, SHR, MOV, XOR, JNZ,
-                            VMOVDQA, VMOVDQU, VMOVQ, VPINSRQ, VPSRLW, VPSLLW, VPAND, VPOR, VPANDD, VPORD,
+                            VMOVDQA, VMOVDQU, VMOVQ, VPINSRQ, VPSRLW, VPSLLW, VPAND, VPOR, VPANDD, VPTERNLOGD,
                             VPBROADCASTD, VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPMOVZXBD, VCVTDQ2PS,
                             VCVTPH2PS, VMULPS, VXORPS, VINSERTI128, PREFETCHT0)
 
@@ -53,6 +62,8 @@ from .qgemm import (PREFETCH_BYTES, YMM_COUNT, RowAddresses, TOTALS, NIBBLE_BYTE
 ISAS = ("avx2", "avx512")
 NIBBLE_CHUNKS = BLOCK // 2 // CHUNK          # 4 chunks of nibbles per block
 HIGH_BIT = 0x10                              # the fifth bit, over a nibble
+# vpternlogd truth table of a | (b & c) (bit 4a + 2b + c of the immediate is the result)
+OR_MASKED = sum(1 << (4 * a + 2 * b + c) for a in (0, 1) for b in (0, 1) for c in (0, 1) if a | (b & c))
 LINE = 64
 
 
@@ -243,7 +254,29 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
 
 # --------------------------------------------------------------------------- AVX-512 tile
 
-def load_block_avx512(r, kind, nibbles, high, b):
+def load_super_scales_avx512(r):
+    """f32 d and -dmin of the super-block's 16 rows (group g's 8, then group g + 1's)."""
+    for offset in (0, KQ_MINS_OFFSET):
+        halves, value = YMMRegister(), ZMMRegister()
+        VMOVDQU(halves.as_xmm, [r.wscale + offset])
+        VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1 + offset], 1)
+        VCVTPH2PS(value, halves)
+        yield value
+
+
+def prefetch_block_avx512(r, kind, b):
+    """As prefetch_block, for both groups of the pair (the decode GEMV streams four arrays)."""
+    start = kind.quant_bytes * b
+    ahead = PREFETCH_BYTES * KQ_SCALE_RECORD // (KQ_SUB_BLOCKS * kind.quant_bytes) // LINE * LINE
+    for line in range(-(-start // LINE) * LINE, start + kind.quant_bytes, LINE):
+        PREFETCHT0([r.wq + PREFETCH_BYTES + line - start])
+        PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line - start])
+    if b * LINE < KQ_SCALE_RECORD:
+        PREFETCHT0([r.wscale + ahead + b * LINE])
+        PREFETCHT0([r.wscale + r.pair_scales * 1 + ahead + b * LINE])
+
+
+def load_block_avx512(r, kind, nibbles, high, super_scales, b):
     """Block b's quants of both groups, (low, high) per chunk, and its d * sc and -dmin * m."""
     if kind.five_bit:
         bits = ZMMRegister()
@@ -258,28 +291,22 @@ def load_block_avx512(r, kind, nibbles, high, b):
         if kind.five_bit:
             for quants, count in zip((low, upper), high_bit_shifts(c)):
                 t = ZMMRegister()
-                if shift_words(t, bits, count):
-                    VPANDD(t, t, high)
-                else:
-                    VPANDD(t, bits, high)
-                VPORD(quants, quants, t)
+                if not shift_words(t, bits, count):
+                    t = bits
+                VPTERNLOGD(quants, t, high, OR_MASKED)       # quants |= t & high
         weights.append((low, upper))
-    return (weights,) + tuple(block_scales_avx512(r, b))
+    return (weights,) + tuple(block_scales_avx512(r, super_scales, b))
 
 
-def block_scales_avx512(r, b):
+def block_scales_avx512(r, super_scales, b):
     """Group g's 8 and group g + 1's 8 block scales times their rows' d (then mins, -dmin)."""
     scales = KQ_BLOCK_SCALES_OFFSET + KQ_BLOCK_SCALES_BYTES * b
-    for sub_offset, super_offset in ((0, 0), (GROUP, KQ_MINS_OFFSET)):
-        packed, halves = XMMRegister(), YMMRegister()
-        value, factor = ZMMRegister(), ZMMRegister()
+    for sub_offset, factor in zip((0, GROUP), super_scales):
+        packed, value = XMMRegister(), ZMMRegister()
         VMOVQ(packed, [r.wscale + scales + sub_offset])
         VPINSRQ(packed, packed, [r.wscale + r.pair_scales * 1 + scales + sub_offset], 1)
         VPMOVZXBD(value, packed)
         VCVTDQ2PS(value, value)
-        VMOVDQU(halves.as_xmm, [r.wscale + super_offset])
-        VINSERTI128(halves, halves, [r.wscale + r.pair_scales * 1 + super_offset], 1)
-        VCVTPH2PS(factor, halves)
         VMULPS(value, value, factor)
         yield value
 
@@ -293,8 +320,11 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     high = broadcast_constant(r, HIGH_BIT * 0x01010101) if kind.five_bit else None
     start_super_blocks(r)
     with Loop() as supers:
+        super_scales = tuple(load_super_scales_avx512(r))
         for b in range(KQ_SUB_BLOCKS):
-            weights, d_w, m_w = load_block_avx512(r, kind, nibbles, high, b)
+            if rows == 1:
+                prefetch_block_avx512(r, kind, b)
+            weights, d_w, m_w = load_block_avx512(r, kind, nibbles, high, super_scales, b)
             # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
             XOR(r.spare, r.spare)
             for i, total in enumerate(totals):

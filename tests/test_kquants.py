@@ -289,3 +289,21 @@ def test_pack_scale_min_is_the_inverse_of_scale_min():
     np.testing.assert_array_equal(back[1], m)
     with pytest.raises(ValueError, match="6 bits"):
         kquants.pack_scale_min(sc + 64, m)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_k_quant_decode_runs_on_the_widest_isa(native, type_name):
+    """Their AVX2 GEMV is bound by unpacking, not memory: decode (m < 4) takes AVX-512 too
+    (bit-identical: test_qgemm_rows_do_not_depend_on_their_batch)."""
+    from llambda.runtime.native import quant as n_quant
+    runnable("avx512")
+    n_quant.widest_qgemm_isa.cache_clear()
+    try:
+        n, k = 16, 256
+        w = layouts.pack(type_name, kquants.random_blocks(type_name, n, k, np.random.default_rng(0)), n, k)
+        qs, d, s, out = buffers.zeros((1, k), np.int8), buffers.zeros((1, 8)), buffers.zeros((1, 8)), buffers.zeros((1, n))
+        symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
+        expected = "avx2" if os.environ.get("LLAMBDA_ISA") == "avx2" else "avx512"
+        assert symbol.endswith("__" + expected)
+    finally:
+        n_quant.widest_qgemm_isa.cache_clear()

@@ -33,6 +33,11 @@ ISA_CAP = "LLAMBDA_ISA"
 # With few activation rows it is memory-bound and streams slower (cold GEMV, m = 1: ~25
 # vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
 AVX512_MIN_ROWS = 4
+# ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
+# the K-quants' AVX-512 tiles form each block's scales once for 16 columns, merge Q5_K's fifth
+# bit with one vpternlogd and prefetch all four streams (in L2 their m = 1 GEMV runs ~1.2x
+# faster than AVX2's). Their tiles sum every row alike, so the switch changes no bit.
+AVX512_DECODE_KINDS = ("q4_k", "q5_k")
 ELEMENT_ALIGN = 4
 
 
@@ -105,10 +110,11 @@ def widest_qgemm_isa():
     return [isa for isa in qgemm_isas() if names.index(isa) <= names.index(cap)][-1]
 
 
-def _qgemm_isa(isa, m):
+def _qgemm_isa(isa, m, kind):
     if isa is None:
         widest = widest_qgemm_isa()
-        return "avx2" if widest == "avx512" and m < AVX512_MIN_ROWS else widest
+        few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
+        return "avx2" if widest == "avx512" and few_rows else widest
     if isa not in qgemm_isas():
         raise ValueError(f"isa: expected one of {', '.join(qgemm_isas())} (the qgemm variants this CPU "
                          f"and kernel library run), got {isa!r}")
@@ -127,7 +133,7 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
     group0 = n0 // GROUP
-    isa = _qgemm_isa(isa, m)
+    isa = _qgemm_isa(isa, m, w.kind)
     return qgemm_symbol(w.kind, QGEMM_TILES[isa], isa), [
         *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
         s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]

@@ -6,6 +6,7 @@ files in /work/models (skipped when absent). The kernels are fuzzed against
 the numpy reference GEMM (runtime/ref/quant.py, through the layout).
 """
 import dataclasses
+import functools
 import os
 
 import gguf
@@ -55,8 +56,8 @@ def assert_bits_equal(got, want):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def real_tensors(type_name, limit=None):
-    """(file, name, raw, n, k) of the real ``type_name`` tensors on disk; skips when none are."""
+@functools.lru_cache(maxsize=None)
+def _tensors_on_disk(type_name):
     found = []
     for file in REAL_FILES[type_name]:
         path = os.path.join(MODELS, file)
@@ -66,9 +67,18 @@ def real_tensors(type_name, limit=None):
             if t.tensor_type.name == type_name:
                 k, n = (int(x) for x in t.shape[:2])
                 found.append((file, t.name, t.data, n, k))
+    return found
+
+
+def real_tensors(type_name, per_file=None):
+    """(file, name, raw, n, k) of the real ``type_name`` tensors on disk (the first ``per_file``
+    of each file); skips when there are none."""
+    found = _tensors_on_disk(type_name)
     if not found:
         pytest.skip(f"no model file with {type_name} tensors in {MODELS}")
-    return found[:limit]
+    if per_file is None:
+        return found
+    return [t for i, t in enumerate(found) if sum(u[0] == t[0] for u in found[:i]) < per_file]
 
 
 # --------------------------------------------------------------------------- reference and layout
@@ -207,16 +217,16 @@ def test_qgemm_rows_do_not_depend_on_their_batch(native, wide_isa, data, type_na
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("m", [1, 7, 17])
-def test_qgemm_on_real_tensors(native, ref, isa, type_name, m):
-    """A few real tensors (attention and FFN shapes), activations like a hidden state."""
-    for file, name, raw, n, k in real_tensors(type_name, limit=3):
+def test_qgemm_on_real_tensors(native, ref, isa, type_name):
+    """The first real tensor of each file, activations like a hidden state, decode and prefill."""
+    for file, name, raw, n, k in real_tensors(type_name, per_file=1):
         w = layouts.pack(type_name, raw, n, k)
-        x = buffers.aligned_copy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
-        qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-        native.quantize_q8(x, qs, d, s)
-        got, want = run_both(native, ref, qs, d, s, w, isa)
-        assert_close_to_reference(got, want, magnitude_bound(qs, d, raw, type_name, n, k))
+        for m in (1, 7, 17):
+            x = buffers.aligned_copy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+            qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
+            native.quantize_q8(x, qs, d, s)
+            got, want = run_both(native, ref, qs, d, s, w, isa)
+            assert_close_to_reference(got, want, magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -51,8 +51,9 @@ from peachpy import Constant
 from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SUB, SHR, MOV, XOR, JNZ,
                             VMOVDQA, VMOVDQU, VMOVQ, VPINSRQ, VPSRLW, VPSLLW, VPAND, VPOR, VPANDD, VPTERNLOGD,
                             VPBROADCASTD, VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPMOVZXBD, VCVTDQ2PS,
-                            VCVTPH2PS, VMULPS, VXORPS, VINSERTI128, PREFETCHT0)
+                            VCVTPH2PS, VMULPS, VFMADD231PS, VXORPS, VINSERTI128, PREFETCHT0)
 
+from .peachpy_ext import VPDPBUSD, broadcast
 from .contract import (BLOCK, CHUNK, GROUP, KQ_SUB_BLOCKS, KQ_MINS_OFFSET, KQ_BLOCK_SCALES_OFFSET,
                        KQ_BLOCK_SCALES_BYTES, KQ_SCALE_RECORD)
 from .qgemm import (PREFETCH_BYTES, YMM_COUNT, RowAddresses, TOTALS, NIBBLE_BYTES, emit_qgemm, emit_block_scale,
@@ -328,7 +329,7 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
             # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
             XOR(r.spare, r.spare)
             for i, total in enumerate(totals):
-                emit_row_q4_1(r, weights, d_w, m_w, total)
+                (emit_only_row if rows == 1 else emit_row_q4_1)(r, weights, d_w, m_w, total)
                 if i + 1 < rows:
                     ADD(r.spare, r.scale_stride)
             advance_block(r, kind)
@@ -337,6 +338,24 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         JNZ(supers.begin)
     rewind_blocks(r, kind)
     store_tile_avx512(r, totals, ldo_bytes, name)
+
+
+def emit_only_row(r, weights, d_w, m_w, total):
+    """emit_row_q4_1 for a tile of one row (the decode GEMV): the low and high nibbles' dot
+    products in two int32 chains of four ``vpdpbusd`` rather than one of eight (their latency
+    bounds a block otherwise), and d_w scaled in place, which no other row needs. The f32
+    operations are emit_row_q4_1's."""
+    acc, second = ZMMRegister(), ZMMRegister()
+    zero(acc)
+    zero(second)
+    for c, (low, high) in enumerate(weights):
+        VPDPBUSD(acc, low, broadcast([r.act + r.spare * 8 + CHUNK * c]))
+        VPDPBUSD(second, high, broadcast([r.act + r.spare * 8 + BLOCK // 2 + CHUNK * c]))
+    VPADDD(acc, acc, second)
+    VCVTDQ2PS(acc, acc)
+    VMULPS(d_w, d_w, broadcast([r.act_scale + r.spare * 1]))
+    VFMADD231PS(total, acc, d_w)
+    VFMADD231PS(total, m_w, broadcast([r.act_sum + r.spare * 1]))
 
 
 TILES = {"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}

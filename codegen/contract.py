@@ -48,6 +48,15 @@ class ArraySpec:
         return int(np.dtype(self.dtype).itemsize * np.prod(self.tail))
 
 
+# -- K-quants (q4_k, q5_k: runtime/layout_kquant.py). Per super-block of a row group, one
+#    scale record: f16 d of the 8 rows, f16 -dmin of the 8 rows, then per 32-weight block
+#    the 8 rows' uint8 6-bit scales and the 8 rows' uint8 6-bit mins.
+KQ_SUB_BLOCKS = SUPER_BLOCK // BLOCK                                 # 8 blocks per super-block
+KQ_MINS_OFFSET = 2 * GROUP                                           # -dmin after d
+KQ_BLOCK_SCALES_OFFSET = 2 * 2 * GROUP                               # block 0's scales after both
+KQ_BLOCK_SCALES_BYTES = 2 * GROUP                                    # scales, mins of one block
+KQ_SCALE_RECORD = KQ_BLOCK_SCALES_OFFSET + KQ_SUB_BLOCKS * KQ_BLOCK_SCALES_BYTES   # 160 bytes
+
 # -- the arrays of each packed quantized kind, in the order the kernels take them.
 #    Both the packer (runtime/layout_*.py) and the kernels' strides follow it.
 QUANT_ARRAYS = {
@@ -72,6 +81,12 @@ QUANT_ARRAYS = {
     "q2_k": (ArraySpec("qs", np.uint8, (2, GROUP, CHUNK)),                      # 2-bit q, 2 planes
              ArraySpec("sm", np.uint8, (GROUP, 2)),                             # sc | m << 4, as GGUF
              ArraySpec("dm", np.float16, (2, GROUP), SUPER_BLOCK // BLOCK)),    # d then dmin
+    # 4 nibble chunks as q4_1 (byte b: weights b and b + 16 of the block)
+    "q4_k": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK, GROUP, CHUNK)),
+             ArraySpec("scales", np.uint8, (KQ_SCALE_RECORD,), blocks_per=KQ_SUB_BLOCKS)),
+    # the same 4 nibble chunks, then a fifth holding each row's 32 high bits
+    "q5_k": (ArraySpec("qs", np.uint8, (BLOCK // 2 // CHUNK + 1, GROUP, CHUNK)),
+             ArraySpec("scales", np.uint8, (KQ_SCALE_RECORD,), blocks_per=KQ_SUB_BLOCKS)),
 }
 
 # Register tiles of the qgemm kernels whose tile differs from their ISA's default

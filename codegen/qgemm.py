@@ -166,12 +166,16 @@ class Registers:
 
 # --------------------------------------------------------------------------- driver (both ISAs)
 
-def emit_qgemm(kind, isa):
+def emit_qgemm(kind, isa, tiles=None):
+    """The kernel of ``kind`` for ``isa``; ``tiles`` maps an ISA to another tile emitter
+    (codegen/qgemm_kquant.py's, which walk super-blocks) on this driver."""
     tiling = TILINGS[isa]
     if isa == "avx2":
         open_function, emit_tile = function, emit_tile_avx2
     else:
         open_function, emit_tile = upper_zmm_function, emit_tile_avx512
+    if tiles is not None:
+        emit_tile = tiles[isa]
     fn, args = open_function(kernel_symbol(kind.name, isa), SIGNATURE, isa)
     a_wq, a_wscale, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
     with fn:
@@ -369,13 +373,14 @@ def emit_block_q8_0(r, consts, acc, facc):
     emit_block_scale(r, acc, facc, d_w, None, bcast, w_abs)
 
 
-def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod):
-    """facc[i] += (d_w * d_a[i]) * acc[i]  (+ m_w * s_a[i]); acc holds int32 block sums."""
+def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod, offset=0):
+    """facc[i] += (d_w * d_a[i]) * acc[i]  (+ m_w * s_a[i]); acc holds int32 block sums.
+    ``offset``: bytes from the activation scale and sum pointers to the block's."""
     scales = RowAddresses(r.act_scale, r.scale_stride, r.spare, len(acc))
     scales.prepare()
     for i in range(len(acc)):
         VCVTDQ2PS(acc[i], acc[i])
-        VBROADCASTSS(bcast, scales(i))
+        VBROADCASTSS(bcast, scales(i, offset))
         VMULPS(bcast, bcast, d_w)
         VFMADD231PS(facc[i][0], acc[i], bcast)
     if m_w is None:
@@ -383,7 +388,7 @@ def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod):
     sums = RowAddresses(r.act_sum, r.scale_stride, r.spare, len(acc))
     sums.prepare()
     for i in range(len(acc)):
-        VBROADCASTSS(prod, sums(i))
+        VBROADCASTSS(prod, sums(i, offset))
         # a second accumulator (when registers allow) halves the FMA latency chain
         VFMADD231PS(facc[i][-1], m_w, prod)
 

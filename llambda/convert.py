@@ -221,11 +221,24 @@ def packer_fingerprint():
     layouts.supported_types()     # imports (and so registers) every layout module
     modules = {sys.modules[layouts.__name__]}
     modules.update(inspect.getmodule(layout.pack) for layout in layouts.LAYOUTS.values())
+    # and llambda's modules a layout's code calls into (e.g. layout_kquant -> ref/kquants, and
+    # the contract's sizes)
+    modules.update(_runtime_modules_used_by(modules))
     digest = hashlib.sha256(f"schema {SCHEMA_VERSION}".encode())
     for module in sorted(modules, key=lambda m: m.__name__):
         digest.update(module.__name__.encode())
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _runtime_modules_used_by(modules):
+    used = set()
+    for module in modules:
+        for value in vars(module).values():
+            source = value if inspect.ismodule(value) else inspect.getmodule(value)
+            if source is not None and source.__name__.startswith(__package__ + "."):
+                used.add(source)
+    return used
 
 
 # ---------------------------------------------------------------- first use of a GGUF

@@ -24,9 +24,11 @@ from .tokenizer import byte_level_alphabet
 
 __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q2_K")
-# Types written as random-but-valid raw blocks (no quantizer here): see _random_kquant16_rows.
-_RANDOM_BLOCK_TYPES = ("Q6_K", "Q3_K", "Q2_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+# gguf has no quantizer for the K-quants: their tensors are random valid super-blocks
+_KQUANT32_TYPES = ("Q4_K", "Q5_K")            # random_kquant_rows
+_KQUANT16_TYPES = ("Q6_K", "Q3_K", "Q2_K")    # _random_kquant16_rows
 
 # Llama-like shapes. 1.1b is TinyLlama's; 0.5b is a Llama-shaped model of 0.52
 # billion parameters (64-wide heads, 4:1 grouped-query attention).
@@ -48,6 +50,8 @@ _FILE_TYPES = {
     "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
     "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
     "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
 }
 
 # Rows per quantization call: bounds the float32 staging memory of one big
@@ -222,11 +226,14 @@ def _draw_tensor(plan: _TensorPlan, seed: int, index: int) -> np.ndarray:
                    if plan.storage_dtype == np.uint8 else plan.shape, dtype=plan.storage_dtype)
     for start in range(0, rows, _ROWS_PER_CHUNK):
         stop = min(rows, start + _ROWS_PER_CHUNK)
+        if plan.type_name in _KQUANT32_TYPES:
+            out[start:stop] = random_kquant_rows(plan.type_name, stop - start, cols, rng, plan.std)
+            continue
         values = rng.standard_normal((stop - start, cols), dtype=np.float32)
         values *= np.float32(plan.std)
         if plan.mean:
             values += np.float32(plan.mean)
-        if plan.type_name in _RANDOM_BLOCK_TYPES:
+        if plan.type_name in _KQUANT16_TYPES:
             out[start:stop] = _random_kquant16_rows(plan.type_name, stop - start, cols, plan.std, rng)
         else:
             out[start:stop] = gguf.quants.quantize(values, plan.qtype)
@@ -255,6 +262,19 @@ def _random_kquant16_rows(type_name, rows, cols, std, rng):
         blocks[..., :16] = sc | (sc << 4)
         blocks[..., 80:82] = d.view(np.uint8)
         blocks[..., 82:84] = (d * np.float16(1.5)).view(np.uint8)
+def random_kquant_rows(type_name: str, rows: int, cols: int, rng, std: float) -> np.ndarray:
+    """Random valid Q4_K / Q5_K bytes uint8 [rows, row bytes] whose weights have about ``std``
+    spread and mean zero: random quants, 6-bit sub-block scales in 32..63 with each min equal
+    to its scale, and per super-block f16 d = std / (mean scale * quant std), dmin = d * mean
+    quant (so that each block's min cancels its mean)."""
+    from .runtime.ref import kquants
+    blocks = rng.integers(0, 256, (rows * cols // 256, kquants.SUPER_BYTES[type_name]), dtype=np.uint8)
+    levels = 16 if type_name == "Q4_K" else 32
+    sc = rng.integers(32, 64, (blocks.shape[0], 8), dtype=np.uint8)
+    d = std / (47.5 * levels / np.sqrt(12.0)) * rng.uniform(0.8, 1.25, blocks.shape[0])
+    halves = np.stack([d, d * (levels - 1) / 2], axis=-1).astype(np.float16)
+    blocks[:, :4] = halves.view(np.uint8)
+    blocks[:, 4:4 + kquants.SCALE_BYTES] = kquants.pack_scale_min(sc, sc)
     return blocks.reshape(rows, -1)
 
 

@@ -34,6 +34,8 @@ TRAITS = {t.kind: t for t in (
     KindTraits("q6_k", activation="q8", linear="qgemm"),
     KindTraits("q3_k", activation="q8", linear="qgemm"),
     KindTraits("q2_k", activation="q8", linear="qgemm"),
+    KindTraits("q4_k", activation="q8", linear="qgemm"),
+    KindTraits("q5_k", activation="q8", linear="qgemm"),
     KindTraits("f32", activation="f32", linear="gemm_f32"),
     KindTraits("f16", activation="f32", linear="gemm_f16"),
 )}

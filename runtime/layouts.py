@@ -14,6 +14,9 @@ meaning depends on ``kind``:
     q3_k    qs (3-bit, 3 planes), sc (int8 sc - 32), d (f16 per 256)     -- Q3_K weights
     q2_k    qs (2-bit, 2 planes), sm (scale | min << 4), dm (f16 per 256) -- Q2_K weights
             (layout_kquant16.py)
+    q4_k    qs (nibbles as q4_1), scales (per super-block: f16 d, -dmin, u8 block scales, mins)
+            -- Q4_K weights (layout_kquant.py)
+    q5_k    qs (nibbles as q4_1, then the high bits), scales (as q4_k) -- Q5_K weights
     f32     panels of f32                                            -- F32 and BF16 weights
     f16     panels of f16                                            -- F16 weights
 
@@ -60,7 +63,7 @@ def register(layout):
 
 
 def _load_layouts():
-    from . import layout_quant, layout_float, layout_q5, layout_kquant16  # noqa: F401  (each calls register)
+    from . import layout_quant, layout_float, layout_q5, layout_kquant, layout_kquant16  # noqa: F401  (each calls register)
 
 
 def supported_types():

@@ -16,15 +16,17 @@ from reference_forward import (ReferenceModel, _attention, _rope, load_reference
 TINY_SHAPES = {
     "float": dict(n_layer=2, dim=36, n_head=3, n_kv_head=1, ffn_dim=50, vocab_size=301),
     "quant": dict(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=320),
-    "kquant": dict(n_layer=2, dim=256, n_head=4, n_kv_head=2, ffn_dim=512, vocab_size=320),
+    # K-quant rows are whole super-blocks of 256
+    "super": dict(n_layer=2, dim=256, n_head=4, n_kv_head=2, ffn_dim=512, vocab_size=320),
 }
 PROMPT = [5, 77, 300, 12, 12, 190, 3, 41]
 
 
 def tiny_shape(tensor_type):
-    if tensor_type.endswith("_K"):
-        return TINY_SHAPES["kquant"]
-    return TINY_SHAPES["float" if tensor_type in ("F32", "F16", "BF16") else "quant"]
+    if tensor_type in ("F32", "F16", "BF16"):
+        return TINY_SHAPES["float"]
+    block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor_type]][0]
+    return TINY_SHAPES["super" if block_size == 256 else "quant"]
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TYPES)
@@ -267,7 +269,8 @@ def test_synth_copies_tokenizer(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(tensor_type="Q4_1", dim=36, n_head=3, n_kv_head=1), "multiple of 32"),
     (dict(tensor_type="F16", embed_type="Q8_0", dim=36, n_head=3, n_kv_head=1), "multiple of 32"),
-    (dict(tensor_type="Q5_K"), "tensor_type"),
+    (dict(tensor_type="IQ4_NL"), "tensor_type"),
+    (dict(tensor_type="Q4_K"), "dim \\(64\\) must be a multiple of 256"),
     (dict(vocab_size=10), "vocab_size"),
     (dict(n_head=5), "multiple of n_head"),
     (dict(n_kv_head=3), "multiple of n_kv_head"),

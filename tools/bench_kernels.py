@@ -2,7 +2,7 @@
 """Kernel benchmark: llambda's kernels on the shapes of real models, beside numpy
 (OpenBLAS) and the machine's own ceilings, as ratios. One thread.
 
-    tools/bench_kernels.py [--quick] [--markdown]
+    tools/bench_kernels.py [--quick] [--markdown] [--kinds Q4_K,Q5_K] [--ms 1,16]
 
 GEMM rows report GFLOP/s (2*m*n*k per call; for the int8 kernels the "ops"
 are the same multiply-adds) and % of the FMA or INT8 peak; m = 1 rows report
@@ -21,10 +21,11 @@ import numpy as np  # noqa: E402
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
 MS = [1, 16, 128, 512]
-KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q2_K", "F32", "F16"]
+KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F32", "F16"]
 # No quantizer here for these: random valid blocks (the speed does not depend on the values).
 # Their rows need k % 256 == 0: other shapes skip them.
 RANDOM_BLOCK_KINDS = ("Q6_K", "Q3_K", "Q2_K")
+SUPER_BLOCK_KINDS = ("Q4_K", "Q5_K", *RANDOM_BLOCK_KINDS)
 
 
 def _time(fn, budget=0.3, min_runs=3):
@@ -54,6 +55,10 @@ def _random_weight(kind, n, k, rng):
         from llambda.runtime.ref.kquants16 import random_blocks
         return layouts.pack(kind, random_blocks(kind, n, k, rng, 1e-3), n, k)
     w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05)
+    if kind in SUPER_BLOCK_KINDS:
+        # gguf has no K-quant quantizer: random valid super-blocks of a trained model's magnitude
+        from llambda.runtime.ref import kquants
+        return layouts.pack(kind, kquants.random_blocks(kind, n, k, rng, magnitude=1e-3), n, k)
     qtype = gguf.GGMLQuantizationType[kind]
     raw = gguf.quants.quantize(w, qtype) if kind not in ("F32",) else w
     if kind == "F16":
@@ -64,8 +69,11 @@ def _random_weight(kind, n, k, rng):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the 4096x4096 and 49152x576 shapes")
-    ap.add_argument("--kinds", help=f"comma-separated subset of {','.join(KINDS)}")
+    ap.add_argument("--kinds", help="comma-separated weight kinds to run (default: all)")
+    ap.add_argument("--ms", help="comma-separated activation row counts m (default: 1,16,128,512)")
     args = ap.parse_args(argv)
+    kinds = args.kinds.split(",") if args.kinds else KINDS
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else MS
 
     from llambda.runtime import buffers, ceilings, get_backend, layouts
     from llambda.runtime.linear import Linear
@@ -86,15 +94,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     shapes = SHAPES[:3] if args.quick else SHAPES
     for n, k in shapes:
-        for kind in (args.kinds.split(",") if args.kinds else KINDS):
-            if kind in RANDOM_BLOCK_KINDS and k % 256:
+        for kind in kinds:
+            if kind in SUPER_BLOCK_KINDS and k % 256:
                 continue
             w = _random_weight(kind, n, k, rng)
             wf = layouts.dequantize(w) if n * k <= 49152 * 576 else None
-            lin = Linear(be, max(MS), k)
+            lin = Linear(be, max(ms), k)
             # m = 1 streams weights: time it over copies that together overflow the caches
             copies = [w] + [_copy(w) for _ in range(-(-STREAM_BYTES // w.nbytes) - 1)]
-            for m in MS:
+            for m in ms:
                 x = buffers.aligned_copy(rng.standard_normal((m, k), dtype=np.float32))
                 out = buffers.empty((m, n))
                 if m == 1:

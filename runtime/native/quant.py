@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
-from ...codegen.contract import BLOCK, GROUP, QGEMM_KIND_TILES, QUANT_ARRAYS, qgemm_symbol
+from ...codegen.contract import BLOCK, GROUP, QGEMM_KIND_TILES, QUANT_ARRAYS, block_multiple, qgemm_symbol
 from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -34,11 +34,11 @@ ISA_CAP = "LLAMBDA_ISA"
 # With few activation rows it is memory-bound and streams slower (cold GEMV, m = 1: ~25
 # vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
 AVX512_MIN_ROWS = 4
-# ... except for kinds whose unpacking costs more vector work per weight byte than the
-# memory delivers it at: their AVX2 GEMV is ALU-bound, the AVX-512 one (half the
-# instructions per byte, ternary logic) is not, and it prefetches both of its streams.
+# ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
+# their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
+# each block's scales formed once for 16 columns) prefetch all their streams and are not.
 # Their tiles sum every row alike, so the ISA switch changes no bit.
-AVX512_DECODE_KINDS = ("q5_0", "q5_1")
+AVX512_DECODE_KINDS = ("q5_0", "q5_1", "q4_k", "q5_k")
 ELEMENT_ALIGN = 4
 
 
@@ -71,6 +71,8 @@ def _check_weight(w, k):
         raise ValueError(f"w: qgemm needs a weight of kind {', '.join(quantized_kinds())}, got kind {w.kind!r}")
     if w.k != k:
         raise ValueError(f"w: has k = {w.k} but the activations have k = {k}")
+    if k % block_multiple(w.kind):
+        raise ValueError(f"w: kind {w.kind} needs k to be a multiple of {block_multiple(w.kind)}, got k = {k}")
     if w.meta.get("group", GROUP) != GROUP:
         raise ValueError(f"w: packed with row groups of {w.meta.get('group')}, the kernels need {GROUP}")
     groups, blocks = -(-w.n // GROUP), k // BLOCK
@@ -121,14 +123,11 @@ def widest_qgemm_isa(kind=None):
     return [isa for isa in qgemm_isas(kind) if names.index(isa) <= names.index(cap)][-1]
 
 
-def _qgemm_isa(isa, m, kind=None):
-    if isa is None:
-        widest = widest_qgemm_isa(kind)
-        few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
-        return "avx2" if widest == "avx512" and few_rows else widest
-    if isa not in qgemm_isas(kind):
-        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "
-                         f"and kernel library run for kind {kind}), got {isa!r}")
+# ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
+# their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
+# each block's scales formed once for 16 columns) prefetch all their streams and are not.
+# Their tiles sum every row alike, so the ISA switch changes no bit.
+AVX512_DECODE_KINDS = ("q5_0", "q5_1", "q4_k", "q5_k")
     return isa
 
 

@@ -123,11 +123,14 @@ def widest_qgemm_isa(kind=None):
     return [isa for isa in qgemm_isas(kind) if names.index(isa) <= names.index(cap)][-1]
 
 
-# ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
-# their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
-# each block's scales formed once for 16 columns) prefetch all their streams and are not.
-# Their tiles sum every row alike, so the ISA switch changes no bit.
-AVX512_DECODE_KINDS = ("q5_0", "q5_1", "q4_k", "q5_k")
+def _qgemm_isa(isa, m, kind=None):
+    if isa is None:
+        widest = widest_qgemm_isa(kind)
+        few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
+        return "avx2" if widest == "avx512" and few_rows else widest
+    if isa not in qgemm_isas(kind):
+        raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "
+                         f"and kernel library run for kind {kind}), got {isa!r}")
     return isa
 
 

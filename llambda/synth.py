@@ -4,15 +4,11 @@ Tests and benchmarks need models of exact shapes and tensor types without
 downloading anything: a tiny one whose dimensions hit every kernel edge, or a
 0.5B/1.1B one whose memory traffic looks like a real model's. The weights are
 random but scaled so activations keep a sane magnitude through every layer, so
-logits neither explode nor collapse to a uniform distribution.
-
-The file is written tensor by tensor (header first, then one tensor at a time),
-so a 1.1B-parameter model never sits in memory as a whole, and atomically
-(a temp file renamed into place) so an interrupted run leaves no half file.
+logits neither explode nor collapse to a uniform distribution. The file is
+written as llambda/gguf_write.py writes every GGUF: tensor by tensor, atomically.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +16,10 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QType
 
-from .tokenizer import byte_level_alphabet
+# (_Tokenizer, _minimal_tokenizer and minimal_vocab_size stay importable from here: tests patch and use them)
+from .gguf_write import (FILE_TYPES as _FILE_TYPES, Tokenizer as _Tokenizer, add_hparams,
+                         copied_tokenizer as _copied_tokenizer, minimal_tokenizer as _minimal_tokenizer,
+                         minimal_vocab_size, tensor_info, write_gguf)
 
 __all__ = ["write_random_llama", "SUPPORTED_TYPES", "PRESETS"]
 
@@ -36,22 +35,6 @@ PRESETS = {
     "tiny": dict(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=320),
     "0.5b": dict(n_layer=32, dim=1024, n_head=16, n_kv_head=4, ffn_dim=4096, vocab_size=32000),
     "1.1b": dict(n_layer=22, dim=2048, n_head=32, n_kv_head=4, ffn_dim=5632, vocab_size=32000),
-}
-
-_FILE_TYPES = {
-    "F32": gguf.LlamaFileType.ALL_F32,
-    "F16": gguf.LlamaFileType.MOSTLY_F16,
-    "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-    "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
-    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
-    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
-    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
-    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
 }
 
 # Rows per quantization call: bounds the float32 staging memory of one big
@@ -74,19 +57,9 @@ class _TensorPlan:
         return QType[self.type_name]
 
     @property
-    def nbytes(self) -> int:
-        block_size, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
-        n_elements = int(np.prod(self.shape))
-        return n_elements // block_size * type_size
-
-    @property
-    def storage_dtype(self) -> np.dtype:
-        """The numpy dtype GGUFWriter infers the GGML type from (uint8 = raw blocks)."""
-        if self.type_name == "F32":
-            return np.dtype(np.float32)
-        if self.type_name == "F16":
-            return np.dtype(np.float16)
-        return np.dtype(np.uint8)
+    def info(self):
+        """Its entry in the GGUF tensor table."""
+        return tensor_info(self.name, self.shape, self.type_name)
 
 
 def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: int,
@@ -119,32 +92,14 @@ def write_random_llama(path, *, n_layer: int, dim: int, n_head: int, n_kv_head: 
                           embed_type=embed_type, tied=tied)
     if rope_freqs:
         plans.append(_TensorPlan("rope_freqs.weight", (dim // n_head // 2,), "F32", std=0.5, mean=3.0))
-    path = Path(path)
     writer = gguf.GGUFWriter(path=None, arch="llama")
-    _add_hparams(writer, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head,
-                 ffn_dim=ffn_dim, vocab_size=vocab_size, n_ctx=n_ctx, rope_base=rope_base,
-                 rms_eps=rms_eps, tensor_type=tensor_type)
+    add_hparams(writer, name=f"llambda-synth-{n_layer}L-{dim}d-{tensor_type}", n_ctx=n_ctx, dim=dim,
+                n_layer=n_layer, ffn_dim=ffn_dim, n_head=n_head, n_kv_head=n_kv_head,
+                rope_dims=dim // n_head, rope_base=rope_base, rms_eps=rms_eps, vocab_size=vocab_size,
+                file_type=_FILE_TYPES[tensor_type])
     tokenizer.add_to(writer)
-    for plan in plans:
-        writer.add_tensor_info(plan.name, plan.shape if plan.type_name in ("F32", "F16") else
-                               gguf.quant_shape_to_byte_shape(plan.shape, plan.qtype),
-                               plan.storage_dtype, plan.nbytes,
-                               raw_dtype=None if plan.type_name in ("F32", "F16") else plan.qtype)
-
-    tmp_name = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        writer.write_header_to_file(tmp_name)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for index, plan in enumerate(plans):
-            writer.write_tensor_data(_draw_tensor(plan, seed, index))
-        writer.close()
-        os.replace(tmp_name, path)
-    except BaseException:
-        writer.close()
-        tmp_name.unlink(missing_ok=True)
-        raise
-    return path
+    return write_gguf(path, writer, [plan.info for plan in plans],
+                      (_draw_tensor(plan, seed, index) for index, plan in enumerate(plans)))
 
 
 # ---------------------------------------------------------------- shapes ---
@@ -222,8 +177,7 @@ def _draw_tensor(plan: _TensorPlan, seed: int, index: int) -> np.ndarray:
         values = rng.standard_normal(plan.shape, dtype=np.float32) * np.float32(plan.std)
         return (values + np.float32(plan.mean)).astype(np.float32)
     rows, cols = plan.shape
-    out = np.empty(gguf.quant_shape_to_byte_shape(plan.shape, plan.qtype)
-                   if plan.storage_dtype == np.uint8 else plan.shape, dtype=plan.storage_dtype)
+    out = np.empty(plan.info.shape, dtype=plan.info.dtype)
     for start in range(0, rows, _ROWS_PER_CHUNK):
         stop = min(rows, start + _ROWS_PER_CHUNK)
         if plan.type_name in _KQUANT32_TYPES:
@@ -279,107 +233,3 @@ def random_kquant_rows(type_name: str, rows: int, cols: int, rng, std: float) ->
     blocks[:, :4] = halves.view(np.uint8)
     blocks[:, 4:4 + kquants.SCALE_BYTES] = kquants.pack_scale_min(sc, sc)
     return blocks.reshape(rows, -1)
-
-
-def _add_hparams(writer, *, n_layer, dim, n_head, n_kv_head, ffn_dim, vocab_size, n_ctx,
-                 rope_base, rms_eps, tensor_type):
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"llambda-synth-{n_layer}L-{dim}d-{tensor_type}")
-    writer.add_context_length(n_ctx)
-    writer.add_embedding_length(dim)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(ffn_dim)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv_head)
-    writer.add_rope_freq_base(rope_base)
-    writer.add_layer_norm_rms_eps(rms_eps)
-    writer.add_rope_dimension_count(dim // n_head)
-    writer.add_vocab_size(vocab_size)
-    writer.add_file_type(_FILE_TYPES[tensor_type])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-# ------------------------------------------------------------- tokenizer ---
-
-@dataclass
-class _Tokenizer:
-    """tokenizer.* key/values ready for a GGUFWriter: (key, value, type, array item type)."""
-    entries: list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]
-    vocab_size: int
-
-    def add_to(self, writer: gguf.GGUFWriter) -> None:
-        for key, value, vtype, sub_type in self.entries:
-            writer.add_key_value(key, value, vtype, sub_type=sub_type)
-
-
-def _copied_tokenizer(gguf_path) -> _Tokenizer:
-    reader = gguf.GGUFReader(gguf_path)
-    entries = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        entries.append((key, field.contents(), field.types[0], sub_type))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ValueError(f"{gguf_path} has no tokenizer.ggml.tokens to copy")
-    return _Tokenizer(entries, vocab_size=len(tokens.data))
-
-
-_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-# Enough merges that ordinary English words become multi-byte tokens, so BPE
-# merging is exercised; each merge's parts are bytes or earlier merge results.
-_MERGES = (
-    ("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġt", "he"),
-    ("r", "e"), ("a", "n"), ("Ġ", "s"), ("Ġ", "o"), ("e", "n"), ("a", "t"), ("o", "r"),
-    ("Ġ", "w"), ("Ġ", "c"), ("i", "s"), ("Ġ", "i"), ("Ġ", "f"), ("Ġo", "f"), ("in", "g"),
-    ("Ġ", "b"), ("Ġ", "p"), ("Ġa", "n"), ("Ġan", "d"), ("Ġ", "is"), ("Ġ", "h"), ("l", "l"),
-    ("Ġ", "T"), ("ĠT", "he"), ("e", "s"), ("Ġ", "m"), ("o", "u"), ("Ġt", "o"),
-)
-
-_CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_UNUSED = 1, 3, 5
-
-
-def minimal_vocab_size() -> int:
-    """The smallest vocab_size the built-in tokenizer fits in."""
-    return len(_SPECIAL_TOKENS) + 256 + len(_MERGES)
-
-
-def _minimal_tokenizer(vocab_size: int) -> _Tokenizer:
-    if vocab_size < minimal_vocab_size():
-        raise ValueError(f"vocab_size ({vocab_size}) must be >= {minimal_vocab_size()} for the "
-                         "built-in byte-level tokenizer (or pass tokenizer_from)")
-    byte_tokens = [byte_level_alphabet()[byte] for byte in range(256)]
-    merged_tokens = [left + right for left, right in _MERGES]
-    tokens = list(_SPECIAL_TOKENS) + byte_tokens + merged_tokens
-    token_types = [_TOKEN_CONTROL] * len(_SPECIAL_TOKENS) + [_TOKEN_NORMAL] * (256 + len(_MERGES))
-    # Padding rows of the embedding: real tokens no text can produce.
-    n_padding = vocab_size - len(tokens)
-    tokens += [f"<|unused_{i}|>" for i in range(n_padding)]
-    token_types += [_TOKEN_UNUSED] * n_padding
-    assert len(set(tokens)) == len(tokens), "duplicate token in the built-in vocabulary"
-
-    V = gguf.GGUFValueType
-    entries = [
-        ("tokenizer.ggml.model", "gpt2", V.STRING, None),
-        ("tokenizer.ggml.pre", "smollm", V.STRING, None),
-        ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
-        ("tokenizer.ggml.token_type", token_types, V.ARRAY, V.INT32),
-        ("tokenizer.ggml.merges", [f"{left} {right}" for left, right in _MERGES], V.ARRAY, V.STRING),
-        ("tokenizer.ggml.bos_token_id", tokens.index("<|im_start|>"), V.UINT32, None),
-        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), V.UINT32, None),
-        ("tokenizer.ggml.unknown_token_id", tokens.index("<|endoftext|>"), V.UINT32, None),
-        ("tokenizer.ggml.padding_token_id", tokens.index("<|im_end|>"), V.UINT32, None),
-        ("tokenizer.ggml.add_bos_token", False, V.BOOL, None),
-        ("tokenizer.ggml.add_space_prefix", False, V.BOOL, None),
-        ("tokenizer.chat_template", _CHATML_TEMPLATE, V.STRING, None),
-    ]
-    return _Tokenizer(entries, vocab_size=vocab_size)

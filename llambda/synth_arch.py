@@ -18,14 +18,15 @@ written as a converter from Hugging Face writes them: ``[PAD<id>]`` tokens.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from .synth import _FILE_TYPES, _copied_tokenizer, _draw_tensor, _minimal_tokenizer, _TensorPlan
+from .gguf_write import (FILE_TYPES, TOKEN_USER_DEFINED, Tokenizer, add_hparams, copied_tokenizer,
+                         minimal_tokenizer, write_gguf)
+from .synth import _draw_tensor, _TensorPlan
 
 __all__ = ["write_random_model", "ARCHS"]
 
@@ -38,8 +39,6 @@ _FEATURES = {
     "gemma3": {"qk_norm", "post_norms"},
 }
 ARCHS = tuple(_FEATURES)
-
-_TOKEN_USER_DEFINED = 4
 
 
 def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int = 2, dim: int = 64,
@@ -76,7 +75,7 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
         head_dim = 256 if arch == "gemma3" else dim // max(n_head, 1)
     if rope_base is None:
         rope_base = 1_000_000.0 if arch in ("gemma3", "qwen2", "qwen3") else 10000.0
-    tokenizer = _copied_tokenizer(tokenizer_from) if tokenizer_from else None
+    tokenizer = copied_tokenizer(tokenizer_from) if tokenizer_from else None
     if tokenizer is not None:
         if padding_tokens:
             raise ValueError("padding_tokens: not with tokenizer_from (its vocabulary is copied as is)")
@@ -86,7 +85,7 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
     _check(arch, sizes, tensor_type, embed_type, padding_tokens + unlisted_rows, rope_scaling)
     if tokenizer is None:
         listed = vocab_size - unlisted_rows
-        tokenizer = _padded(_minimal_tokenizer(listed - padding_tokens), padding_tokens)
+        tokenizer = _padded(minimal_tokenizer(listed - padding_tokens), padding_tokens)
 
     plans = _tensor_plans(arch, sizes, tensor_type, embed_type, tied)
     if rope_freqs:
@@ -96,7 +95,8 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
                  rms_eps=rms_eps, sliding_window=sliding_window, pattern=sliding_window_pattern,
                  rope_base_swa=rope_base_swa, logit_softcap=logit_softcap, rope_scaling=rope_scaling)
     tokenizer.add_to(writer)
-    return _write(Path(path), writer, plans, seed)
+    return write_gguf(path, writer, [plan.info for plan in plans],
+                      (_draw_tensor(plan, seed, index) for index, plan in enumerate(plans)))
 
 
 # ---------------------------------------------------------------- checks ---
@@ -204,24 +204,14 @@ def _rope_factor_plans(arch, head_dim):
 
 def _add_hparams(writer, arch, s, *, tensor_type, n_ctx, rope_base, rms_eps, sliding_window, pattern,
                  rope_base_swa, logit_softcap, rope_scaling):
-    writer.add_type(gguf.GGUFType.MODEL)
     # Not the architecture's name: llama.cpp keys vocabulary fix-ups on general.name
     # (a "phi3" in it makes it look for </s>, which the built-in vocabulary lacks).
-    writer.add_name(f"llambda-synth-{s['n_layer']}L-{s['dim']}d-{tensor_type}")
-    writer.add_context_length(n_ctx)
-    writer.add_embedding_length(s["dim"])
-    writer.add_block_count(s["n_layer"])
-    writer.add_feed_forward_length(s["ffn_dim"])
-    writer.add_head_count(s["n_head"])
-    writer.add_head_count_kv(s["n_kv_head"])
-    writer.add_key_length(s["head_dim"])
-    writer.add_value_length(s["head_dim"])
-    writer.add_rope_freq_base(rope_base)
-    writer.add_layer_norm_rms_eps(rms_eps)
-    writer.add_rope_dimension_count(s["head_dim"])
-    writer.add_vocab_size(s["vocab_size"])
-    if sliding_window:
-        writer.add_sliding_window(sliding_window)
+    add_hparams(writer, name=f"llambda-synth-{s['n_layer']}L-{s['dim']}d-{tensor_type}", n_ctx=n_ctx,
+                dim=s["dim"], n_layer=s["n_layer"], ffn_dim=s["ffn_dim"], n_head=s["n_head"],
+                n_kv_head=s["n_kv_head"], head_dim=s["head_dim"], rope_dims=s["head_dim"],
+                rope_base=rope_base, rms_eps=rms_eps, vocab_size=s["vocab_size"],
+                sliding_window=sliding_window,
+                file_type=FILE_TYPES.get(tensor_type, gguf.LlamaFileType.GUESSED))
     if pattern is not None:
         writer.add_sliding_window_pattern(pattern)
     if rope_base_swa is not None:
@@ -236,8 +226,6 @@ def _add_hparams(writer, arch, s, *, tensor_type, n_ctx, rope_base, rms_eps, sli
             writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_context"])
         if "attn_factor" in rope_scaling:
             writer.add_rope_scaling_attn_factors(rope_scaling["attn_factor"])
-    writer.add_file_type(_FILE_TYPES.get(tensor_type, gguf.LlamaFileType.GUESSED))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
 def _padded(tokenizer, count):
@@ -249,31 +237,6 @@ def _padded(tokenizer, count):
         if key == "tokenizer.ggml.tokens":
             value = list(value) + [f"[PAD{i}]" for i in range(len(value), len(value) + count)]
         elif key == "tokenizer.ggml.token_type":
-            value = list(value) + [_TOKEN_USER_DEFINED] * count
+            value = list(value) + [TOKEN_USER_DEFINED] * count
         entries.append((key, value, vtype, sub_type))
-    return type(tokenizer)(entries, vocab_size=tokenizer.vocab_size + count)
-
-
-# ---------------------------------------------------------------- writing ---
-
-def _write(path, writer, plans, seed):
-    """Header, then every tensor drawn from its own stream, to a temp file renamed into place."""
-    for plan in plans:
-        raw = plan.type_name not in ("F32", "F16")
-        writer.add_tensor_info(plan.name, gguf.quant_shape_to_byte_shape(plan.shape, plan.qtype) if raw
-                               else plan.shape, plan.storage_dtype, plan.nbytes,
-                               raw_dtype=plan.qtype if raw else None)
-    tmp_name = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        writer.write_header_to_file(tmp_name)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for index, plan in enumerate(plans):
-            writer.write_tensor_data(_draw_tensor(plan, seed, index))
-        writer.close()
-        os.replace(tmp_name, path)
-    except BaseException:
-        writer.close()
-        tmp_name.unlink(missing_ok=True)
-        raise
-    return path
+    return Tokenizer(entries, vocab_size=tokenizer.vocab_size + count)

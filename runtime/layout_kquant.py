@@ -37,6 +37,7 @@ import numpy as np
 
 from . import buffers
 from .layouts import Layout, PackedWeight, register
+from .ref.gguf_blocks import checked_rows
 from .layout_quant import _by_group, _checked_ids, _dequantize_with, _groups, _interleave
 from .ref import kquants
 
@@ -49,17 +50,10 @@ KINDS = {"Q4_K": "q4_k", "Q5_K": "q5_k"}
 
 
 def _check_shape(type_name, raw, n, k):
-    if n < 1:
-        raise ValueError(f"{type_name}: n = {n} must be >= 1")
-    if k < 1 or k % SUPER_BLOCK:
-        raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {SUPER_BLOCK} "
-                         f"(K-quant super-blocks): a row of this length cannot be {type_name}")
-    row_bytes = k // SUPER_BLOCK * kquants.SUPER_BYTES[type_name]
-    raw = np.ascontiguousarray(raw).view(np.uint8)
-    if raw.size != n * row_bytes:
-        raise ValueError(f"{type_name}: expected {n} rows of {row_bytes} bytes for a [{n}, {k}] tensor, "
-                         f"got {raw.size} bytes (shape {raw.shape})")
-    return raw.reshape(-1, kquants.SUPER_BYTES[type_name])
+    """``raw`` as uint8 [super-blocks, bytes]; a clear error for a row length that cannot be
+    the type's, an empty tensor or the wrong size."""
+    return checked_rows(type_name, raw, n, k, SUPER_BLOCK, kquants.SUPER_BYTES[type_name],
+                        "K-quant super-blocks").reshape(-1, kquants.SUPER_BYTES[type_name])
 
 
 def high_bit_bytes(high):

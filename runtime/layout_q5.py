@@ -33,7 +33,7 @@ import numpy as np
 from . import buffers
 from .layouts import Layout, PackedWeight, register
 from .layout_quant import _by_group, _checked_ids, _dequantize_with, _groups, _interleave
-from .ref.gguf_blocks import Q5_BLOCK_BYTES, q5_quants
+from .ref.gguf_blocks import Q5_BLOCK_BYTES, checked_rows, q5_quants
 
 from ..codegen.contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS
 
@@ -43,16 +43,7 @@ PACKED_CHUNKS = CHUNKS + 1                   # + the chunk of low bits of the se
 
 
 def _check_raw(type_name, raw, n, k):
-    if k < 1 or k % BLOCK:
-        raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {BLOCK} (GGUF blocks)")
-    if n < 1:
-        raise ValueError(f"{type_name}: n = {n} must be >= 1")
-    row_bytes = k // BLOCK * Q5_BLOCK_BYTES[type_name]
-    raw = np.ascontiguousarray(raw).view(np.uint8)
-    if raw.size != n * row_bytes:
-        raise ValueError(f"{type_name}: expected {n} rows of {row_bytes} bytes for a [{n}, {k}] tensor, "
-                         f"got {raw.size} bytes (shape {raw.shape})")
-    return raw
+    return checked_rows(type_name, raw, n, k, BLOCK, Q5_BLOCK_BYTES[type_name]).reshape(-1)
 
 
 def packed_quants(q):

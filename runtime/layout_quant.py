@@ -30,6 +30,7 @@ import numpy as np
 
 from . import buffers
 from .layouts import Layout, PackedWeight, register
+from .ref.gguf_blocks import checked_rows
 
 from ..codegen.contract import BLOCK, CHUNK, GROUP
 Q4_BYTES = BLOCK // 2       # quant bytes of a Q4 block (two nibbles a byte)
@@ -39,18 +40,8 @@ GGUF_BLOCKS = {"Q4_0": (2 + Q4_BYTES, 1), "Q4_1": (4 + Q4_BYTES, 2), "Q8_0": (2 
 
 
 def _check_shape(type_name, raw, n, k):
-    """``raw`` as uint8 [n, row bytes]; a clear error for anything else."""
-    if k < 1 or k % BLOCK:
-        raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {BLOCK} (GGUF blocks)")
-    if n < 1:
-        raise ValueError(f"{type_name}: n = {n} must be >= 1")
-    block_bytes, _ = GGUF_BLOCKS[type_name]
-    row_bytes = k // BLOCK * block_bytes
-    raw = np.ascontiguousarray(raw).view(np.uint8)
-    if raw.size != n * row_bytes:
-        raise ValueError(f"{type_name}: expected {n} rows of {row_bytes} bytes for a [{n}, {k}] tensor, "
-                         f"got {raw.size} bytes (shape {raw.shape})")
-    return raw.reshape(n, k // BLOCK, block_bytes)
+    """``raw`` as uint8 [n, k/32, block bytes]; a clear error for anything else."""
+    return checked_rows(type_name, raw, n, k, BLOCK, GGUF_BLOCKS[type_name][0])
 
 
 def _groups(n):

@@ -35,3 +35,10 @@ def default_gguf():
         return path
     from llambda import default_model
     return str(default_model.gguf_path())
+
+
+@pytest.fixture(scope="module", params=("avx2", "avx512"))
+def isa(request, native):
+    """Every qgemm variant this CPU runs; the others are skipped (and say so)."""
+    from helpers import runnable
+    return runnable(request.param)

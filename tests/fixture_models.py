@@ -23,20 +23,23 @@ positive f16 super-block scales at the offsets ggml-common.h gives), rescaled
 so each tensor has the standard deviation the plan asks for.
 
 Everything is a pure function of (arch, type, seed): same inputs, same bytes.
-The metadata and tensor names are written here rather than through
-llambda/synth.py so that a change to the benchmark generator does not
-invalidate the recorded fixtures.
+The tensor names and weights are drawn here rather than through llambda/synth.py
+so that a change to the benchmark generator does not invalidate the recorded
+fixtures; the keys, the tokenizer and the file itself are written by
+llambda/gguf_write.py, whose key order the content sha256 pins (a change there
+fails tests/test_llamacpp_referee.py).
 """
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QType
+
+from llambda.gguf_write import FILE_TYPES, add_hparams, minimal_tokenizer, tensor_info, write_gguf
 
 __all__ = ["ARCHS", "TYPES", "FixtureSpec", "fixture_spec", "write_fixture_model", "sha256_of",
            "content_sha256", "random_kquant_blocks"]
@@ -241,81 +244,23 @@ def _set_superblock_scales(blocks: np.ndarray, type_name: str, d: np.ndarray) ->
 
 # -------------------------------------------------------------- metadata ---
 
-_FILE_TYPES = {
-    "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
-    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
-    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_S, "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
-}
+# K-quant files name the small mix (llama.cpp's _S file types).
+_FILE_TYPES = dict(FILE_TYPES, Q4_K=gguf.LlamaFileType.MOSTLY_Q4_K_S, Q5_K=gguf.LlamaFileType.MOSTLY_Q5_K_S,
+                   Q3_K=gguf.LlamaFileType.MOSTLY_Q3_K_S)
 
 
 def _add_hparams(writer: gguf.GGUFWriter, spec: FixtureSpec) -> None:
     h = spec.hparams
-    writer.add_type(gguf.GGUFType.MODEL)
     # No architecture in the name: llama.cpp keys vocabulary fix-ups on names
-    # like "phi3" (and expects that family's special tokens then).
-    writer.add_name(f"llambda-fixture-{spec.type_name}-seed{spec.seed}")
-    writer.add_context_length(N_CTX_TRAIN)
-    writer.add_embedding_length(h["dim"])
-    writer.add_block_count(h["n_layer"])
-    writer.add_feed_forward_length(h["ffn_dim"])
-    writer.add_head_count(h["n_head"])
-    writer.add_head_count_kv(h["n_kv_head"])
-    writer.add_key_length(h["head_dim"])
-    writer.add_value_length(h["head_dim"])
-    writer.add_rope_dimension_count(h["head_dim"])
-    writer.add_rope_freq_base(h["rope_base"])
-    writer.add_layer_norm_rms_eps(h["rms_eps"])
-    if h.get("sliding_window"):
-        # No sliding_window_pattern key, as in real Gemma 3 files: llama.cpp's
-        # default (5 local layers, then 1 global) applies, and the local layers'
-        # RoPE base is its default 10000.
-        writer.add_sliding_window(h["sliding_window"])
-    writer.add_vocab_size(VOCAB_SIZE)
-    writer.add_file_type(_FILE_TYPES[spec.type_name])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-# A byte-level BPE vocabulary (GPT-2 byte alphabet) with a few merges: enough
-# for llama.cpp and llambda to load the file; the tests feed token ids directly.
-_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_MERGES = (
-    ("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġt", "he"),
-    ("r", "e"), ("a", "n"), ("Ġ", "s"), ("Ġ", "o"), ("e", "n"), ("a", "t"), ("o", "r"),
-    ("Ġ", "w"), ("Ġ", "c"), ("i", "s"), ("Ġ", "i"), ("Ġ", "f"), ("Ġo", "f"), ("in", "g"),
-    ("Ġ", "b"), ("Ġ", "p"), ("Ġa", "n"), ("Ġan", "d"), ("Ġ", "is"), ("Ġ", "h"), ("l", "l"),
-    ("Ġ", "T"), ("ĠT", "he"), ("e", "s"), ("Ġ", "m"), ("o", "u"), ("Ġt", "o"),
-)
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in character for each byte value (written out here so
-    the fixture bytes do not depend on llambda's tokenizer module)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, moved = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + moved)
-            moved += 1
-    return [chars[b] for b in range(256)]
-
-
-def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
-    tokens = list(_SPECIALS) + _byte_alphabet() + [a + b for a, b in _MERGES]
-    assert len(tokens) == VOCAB_SIZE and len(set(tokens)) == VOCAB_SIZE
-    types = [3] * len(_SPECIALS) + [1] * (len(tokens) - len(_SPECIALS))   # control, normal
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([f"{a} {b}" for a, b in _MERGES])
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_unk_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
+    # like "phi3" (and expects that family's special tokens then). No
+    # sliding_window_pattern key, as in real Gemma 3 files: llama.cpp's default
+    # (5 local layers, then 1 global) applies, and the local layers' RoPE base is
+    # its default 10000.
+    add_hparams(writer, name=f"llambda-fixture-{spec.type_name}-seed{spec.seed}", n_ctx=N_CTX_TRAIN,
+                dim=h["dim"], n_layer=h["n_layer"], ffn_dim=h["ffn_dim"], n_head=h["n_head"],
+                n_kv_head=h["n_kv_head"], head_dim=h["head_dim"], rope_dims=h["head_dim"],
+                rope_base=h["rope_base"], rms_eps=h["rms_eps"], sliding_window=h.get("sliding_window"),
+                vocab_size=VOCAB_SIZE, file_type=_FILE_TYPES[spec.type_name])
 
 
 # ------------------------------------------------------------------ write ---
@@ -323,23 +268,11 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
 def write_fixture_model(path, arch: str, type_name: str, seed: int = DEFAULT_SEED) -> Path:
     """Write the (arch, type, seed) fixture GGUF to `path` (atomically) and return the path."""
     spec = fixture_spec(arch, type_name, seed)
-    path = Path(path)
     writer = gguf.GGUFWriter(path=None, arch=arch)
     _add_hparams(writer, spec)
-    _add_tokenizer(writer)
-    for index, plan in enumerate(_plans(spec)):
-        data = _draw(plan, spec.seed, index)
-        raw_dtype = None if plan.type_name in ("F32", "F16") else QType[plan.type_name]
-        writer.add_tensor(plan.name, data, raw_dtype=raw_dtype)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    # A byte-level BPE vocabulary of exactly VOCAB_SIZE tokens: enough for llama.cpp
+    # and llambda to load the file; the tests feed token ids directly.
+    minimal_tokenizer(VOCAB_SIZE, bare=True).add_to(writer)
+    plans = _plans(spec)
+    arrays = [_draw(plan, spec.seed, index) for index, plan in enumerate(plans)]
+    return write_gguf(path, writer, [tensor_info(p.name, p.shape, p.type_name) for p in plans], arrays)

@@ -94,6 +94,14 @@ def tolerance(q, k, v, pos0, scale, exact, group, window=0):
     return atol
 
 
+def assert_heads_close(got, want, atol, h0, h1):
+    """Heads h0..h1 written and within ``atol`` of the reference, the others untouched (NaN)."""
+    error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
+    assert not np.isnan(got[:, h0:h1]).any()
+    assert (error <= atol[:, h0:h1]).all(), f"max error / tolerance {(error / atol[:, h0:h1]).max()}"
+    assert np.isnan(got[:, :h0]).all() and np.isnan(got[:, h1:]).all()
+
+
 @given(st.data())
 def test_attention_matches_reference(native, ref, data):
     n_head, n_kv_head, head_dim, m, pos0, n_ctx = draw_shape(data)
@@ -109,11 +117,7 @@ def test_attention_matches_reference(native, ref, data):
     ref.attention(q, k_cache, v_cache, pos0, scale, want, ref.attention_scratch(n_ctx, m), heads=heads)
     native.attention(q, k_cache, v_cache, pos0, scale, got, native.attention_scratch(n_ctx, m), heads=heads)
 
-    atol = tolerance(q, k_values, v_values, pos0, scale, exact, n_head // n_kv_head)
-    error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
-    assert not np.isnan(got[:, h0:h1]).any()
-    assert (error <= atol[:, h0:h1]).all(), f"max error / tolerance {(error / atol[:, h0:h1]).max()}"
-    assert np.isnan(got[:, :h0]).all() and np.isnan(got[:, h1:]).all()
+    assert_heads_close(got, want, tolerance(q, k_values, v_values, pos0, scale, exact, n_head // n_kv_head), h0, h1)
 
 
 @settings(max_examples=20)
@@ -190,11 +194,8 @@ def test_windowed_attention_matches_reference(native, ref, data):
     native.attention(q, k_cache, v_cache, pos0, scale, got, native.attention_scratch(n_ctx, m), heads=heads,
                      window=window)
 
-    atol = tolerance(q, k_values, v_values, pos0, scale, exact, n_head // n_kv_head, window)
-    error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
-    assert not np.isnan(got[:, h0:h1]).any()
-    assert (error <= atol[:, h0:h1]).all(), f"max error / tolerance {(error / atol[:, h0:h1]).max()}"
-    assert np.isnan(got[:, :h0]).all() and np.isnan(got[:, h1:]).all()
+    assert_heads_close(got, want, tolerance(q, k_values, v_values, pos0, scale, exact, n_head // n_kv_head, window),
+                       h0, h1)
 
 
 @settings(max_examples=20)

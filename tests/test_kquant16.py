@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from helpers import nan_buffer, float_arrays
+from helpers import (activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
+                     assert_reads_nothing_past_the_weight, assert_refused,
+                     assert_row_range_writes_only_its_columns, float_arrays, misaligned,
+                     q8_activations, qgemm_both, qgemm_on, random_activations, runnable)
 from llambda.runtime import buffers, layouts
 from llambda.runtime.ref import kquants16 as kq
-from test_qgemm import before_a_guard_page, misaligned
 
 TYPES = ["Q6_K", "Q3_K", "Q2_K"]
 KINDS = {"Q6_K": "q6_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}
@@ -41,13 +43,6 @@ def drawn_weight(draw, type_name, n, k):
     return raw, layouts.pack(type_name, raw, n, k)
 
 
-def quantized(native, x):
-    m, k = x.shape
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    return qs, d, s
-
-
 def term_magnitudes(type_name, raw, n, k):
     """|each f32 term the kernel adds| per weight: |d sc (q - o)| (+ |dmin m| for Q2_K)."""
     blocks = kq.super_blocks(type_name, raw, n, k)
@@ -62,16 +57,15 @@ def term_magnitudes(type_name, raw, n, k):
     return np.asarray(w).reshape(n, k)
 
 
+def magnitude_bound(qs, d, raw, type_name, n, k):
+    return activation_magnitudes(qs, d) @ term_magnitudes(type_name, raw, n, k).T
+
+
 def assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name, rows=None, isa=None):
-    m, k = qs.shape
     n0, n1 = rows if rows is not None else (0, w.n)
-    got, want = nan_buffer((m, w.n)), nan_buffer((m, w.n))
-    native.qgemm(qs, d, s, w, got, rows=rows, isa=isa)
-    ref.qgemm(qs, d, s, w, want, rows=rows)
-    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
-    act = np.abs(qs.astype(np.float64)).reshape(m, -1, BLOCK) * d.astype(np.float64)[..., None]
-    bound = act.reshape(m, k) @ term_magnitudes(type_name, raw, w.n, k)[n0:n1].T
-    np.testing.assert_array_less(np.abs(got[:, n0:n1].astype(np.float64) - want[:, n0:n1]), 1e-5 * bound + 1e-30)
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa, rows=rows)
+    bound = magnitude_bound(qs, d, raw, type_name, w.n, w.k)[:, n0:n1]
+    assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], bound)
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -130,20 +124,18 @@ def test_real_gguf_tensor(native, ref, real_tensors, type_name):
     np.testing.assert_array_equal(kq.DEQUANTIZERS[type_name](raw, n, k).view(np.uint32), want.view(np.uint32))
     w = layouts.pack(type_name, raw, n, k)
     np.testing.assert_array_equal(layouts.dequantize(w).view(np.uint32), want.view(np.uint32))
-    x = buffers.aligned_copy(np.random.default_rng(0).standard_normal((5, k)).astype(np.float32))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name)
+    assert_qgemm_close(native, ref, *q8_activations(native, random_activations(5, k, seed=0)), w, raw, type_name)
 
 
 def test_pack_rejects_bad_tensors():
-    with pytest.raises(ValueError, match=r"Q6_K: k = 576 must be a positive multiple of 256"):
-        layouts.pack("Q6_K", np.zeros((2, 576 // 256 * 210), np.uint8), 2, 576)
-    with pytest.raises(ValueError, match="Q3_K: expected 3 rows of 110 bytes"):
-        layouts.pack("Q3_K", np.zeros((2, 110), np.uint8), 3, 256)
-    with pytest.raises(ValueError, match="Q2_K: n = 0 must be >= 1"):
-        layouts.pack("Q2_K", np.zeros((0, 84), np.uint8), 0, 256)
     w = layouts.pack("Q2_K", raw_rows("Q2_K", 3, 256), 3, 256)
-    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
-        layouts.rows(w, [3])
+    assert_refused([
+        (r"Q6_K: k = 576 must be a positive multiple of 256",
+         lambda: layouts.pack("Q6_K", np.zeros((2, 576 // 256 * 210), np.uint8), 2, 576)),
+        ("Q3_K: expected 3 rows of 110 bytes", lambda: layouts.pack("Q3_K", np.zeros((2, 110), np.uint8), 3, 256)),
+        ("Q2_K: n = 0 must be >= 1", lambda: layouts.pack("Q2_K", np.zeros((0, 84), np.uint8), 0, 256)),
+        ("ids: row indices must be integers in", lambda: layouts.rows(w, [3])),
+    ])
 
 
 # --------------------------------------------------------------------------- kernels
@@ -151,9 +143,8 @@ def test_pack_rejects_bad_tensors():
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
 def isa(request, native):
     """Every qgemm variant this CPU runs for these kinds; the others are skipped (and say so)."""
-    from llambda.runtime.native import quant as n_quant
-    if any(request.param not in n_quant.qgemm_isas(kind) for kind in KINDS.values()):
-        pytest.skip(f"this CPU does not run the {request.param} qgemm kernels")
+    for kind in KINDS.values():
+        runnable(request.param, kind)
     return request.param
 
 
@@ -161,41 +152,33 @@ def isa(request, native):
 def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
     raw, w = drawn_weight(data.draw, type_name, n, k)
     x = float_arrays(data.draw, (m, k))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, isa=isa)
+    assert_qgemm_close(native, ref, *q8_activations(native, x), w, raw, type_name, isa=isa)
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, st.integers(1, 50), st.sampled_from([256, 512]))
 def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
     """Threads split the columns at multiples of 8: a range may start at an odd row group."""
     raw, w = drawn_weight(data.draw, type_name, n, k)
-    x = float_arrays(data.draw, (m, k))
-    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
-    n1 = data.draw(st.integers(n0 + 1, n))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, rows=(n0, n1), isa=isa)
+    assert_row_range_writes_only_its_columns(native, ref, isa, data.draw, w, m,
+                                             lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 @given(st.data(), st.sampled_from(TYPES), st.integers(2, 20), st.integers(1, 20))
 def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n):
     k = 256
     raw, w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
-    first = data.draw(st.integers(1, m - 1))
-    assert_qgemm_close(native, ref, qs[first:], d[first:], s[first:], w, raw, type_name, isa=isa)
+    assert_on_row_slices(native, ref, isa, data.draw, w, m,
+                         lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
 def test_qgemm_variants_agree_bit_for_bit(native, data, type_name, m, n, k):
     """Both variants sum exact integer block sums with the same f32 operations in k order
     (codegen/qgemm_k16.py): a row's result does not depend on which kernel computed it."""
-    from llambda.runtime.native import quant as n_quant
-    if "avx512" not in n_quant.qgemm_isas(KINDS[type_name]):
-        pytest.skip("this CPU does not run the avx512 qgemm kernels")
+    runnable("avx512", KINDS[type_name])
     _, w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized(native, float_arrays(data.draw, (m, k)))
-    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, baseline, isa="avx2")
-    native.qgemm(qs, d, s, w, got, isa="avx512")
-    np.testing.assert_array_equal(got, baseline)
+    qs, d, s = q8_activations(native, float_arrays(data.draw, (m, k)))
+    np.testing.assert_array_equal(qgemm_on(native, "avx512", qs, d, s, w), qgemm_on(native, "avx2", qs, d, s, w))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -221,7 +204,7 @@ def test_extreme_quants_and_scales_do_not_overflow(native, ref, isa, type_name):
     x = buffers.full((m, k), 1.0)
     x[1] = -1.0
     x[2, ::2] = -1.0
-    qs, d, s = quantized(native, x)
+    qs, d, s = q8_activations(native, x)
     assert np.abs(qs).max() == 127
     assert_qgemm_close(native, ref, qs, d, s, w, raw, type_name, isa=isa)
 
@@ -231,13 +214,11 @@ def test_extreme_quants_and_scales_do_not_overflow(native, ref, isa, type_name):
 def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     """The last row group ends at an unreadable page (k = 512: every array is a multiple of
     32 bytes, so its copy there starts aligned)."""
-    m, k = 4, 512
-    keep = []
+    k = 512
     raw = raw_rows(type_name, n, k, seed=n)
     w = layouts.pack(type_name, raw, n, k)
-    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
-    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-    assert_qgemm_close(native, ref, *quantized(native, x), w, raw, type_name, isa=isa)
+    assert_reads_nothing_past_the_weight(native, ref, isa, w, 4, n,
+                                         lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 def test_qgemm_rejects_bad_arguments(native):
@@ -245,16 +226,21 @@ def test_qgemm_rejects_bad_arguments(native):
     w = layouts.pack("Q6_K", raw_rows("Q6_K", n, k), n, k)
     qs, d, s = buffers.zeros((m, k), np.int8), buffers.zeros((m, 8)), buffers.zeros((m, 8))
     out = buffers.zeros((m, n))
-    with pytest.raises(ValueError, match="w.sc: expected a numpy array"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"], d=w.arrays["d"])), out)
-    with pytest.raises(ValueError, match="w.d: data must be 32-byte aligned"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, d=misaligned(w.arrays["d"]))), out)
-    with pytest.raises(ValueError, match="w.qs: expected dtype uint8"):
-        native.qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=w.arrays["qs"].view(np.int8))), out)
-    with pytest.raises(ValueError, match="w: has k = 256 but the activations have k = 512"):
-        native.qgemm(buffers.zeros((m, 512), np.int8), buffers.zeros((m, 16)), buffers.zeros((m, 16)), w, out)
-    with pytest.raises(ValueError, match="isa: expected one of avx2.*kind q6_k.*got 'avx1024'"):
-        native.qgemm(qs, d, s, w, out, isa="avx1024")
+
+    def with_arrays(**arrays):
+        return native.qgemm(qs, d, s, dataclasses.replace(w, arrays=arrays), out)
+
+    def with_k(k, isa=None):
+        return native.qgemm(buffers.zeros((m, k), np.int8), buffers.zeros((m, k // BLOCK)),
+                            buffers.zeros((m, k // BLOCK)), w, out, isa=isa)
+
+    assert_refused([
+        ("w.sc: expected a numpy array", lambda: with_arrays(qs=w.arrays["qs"], d=w.arrays["d"])),
+        ("w.d: data must be 32-byte aligned", lambda: with_arrays(**dict(w.arrays, d=misaligned(w.arrays["d"])))),
+        ("w.qs: expected dtype uint8", lambda: with_arrays(**dict(w.arrays, qs=w.arrays["qs"].view(np.int8)))),
+        ("w: has k = 256 but the activations have k = 512", lambda: with_k(512)),
+        ("isa: expected one of avx2.*kind q6_k.*got 'avx1024'", lambda: with_k(256, isa="avx1024")),
+    ])
     native.qgemm(qs, d, s, w, out)
     np.testing.assert_array_equal(out, 0)
 

@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from helpers import nan_buffer
-from test_qgemm import before_a_guard_page, misaligned, quantized_activations, runnable
+from helpers import (activation_magnitudes, assert_close_to_reference, assert_reads_nothing_past_the_weight,
+                     assert_refused, assert_row_range_writes_only_its_columns, misaligned, q8_activations,
+                     qgemm_both, qgemm_on, quantized_activations, random_activations, runnable,
+                     widest_isa_chosen_under, zero_operands)
 from llambda.runtime import buffers, layouts
 from llambda.runtime.ref import kquants
 
 BLOCK, GROUP, SUPER = 32, 8, 256
 TYPES = ["Q4_K", "Q5_K"]
-ISAS = ("avx2", "avx512")
 MODELS = "/work/models"
 REAL_FILES = {"Q4_K": ["gemma-3-270m-q4_k_m.gguf", "smollm2-135m-Q4_K_M.gguf"],
               "Q5_K": ["smollm2-135m-Q5_K_M.gguf"]}
@@ -30,11 +31,6 @@ m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 24, 25, 33, 100]) | st.integers(1, 120)
 k_sizes = st.sampled_from([256, 512, 768, 2304]) | st.integers(1, 6).map(lambda s: SUPER * s)
 magnitudes = st.sampled_from([1e-6, 1e-3, 1.0, 300.0])
-
-
-@pytest.fixture(scope="module", params=ISAS)
-def isa(request, native):
-    return runnable(request.param)
 
 
 def random_raw(draw, type_name, n, k):
@@ -131,19 +127,15 @@ def test_layout_arrays_are_compact_aligned_and_padded(type_name, chunks):
 
 def test_pack_refuses_rows_that_cannot_be_k_quants():
     raw = np.zeros((4, 144), np.uint8)
-    with pytest.raises(ValueError, match="Q4_K: k = 128 must be a positive multiple of 256"):
-        layouts.pack("Q4_K", raw, 4, 128)
-    with pytest.raises(ValueError, match="Q5_K: k = 320 must be a positive multiple of 256"):
-        layouts.pack("Q5_K", raw, 4, 320)
-    with pytest.raises(ValueError, match="Q4_K: expected 4 rows of 288 bytes"):
-        layouts.pack("Q4_K", raw, 4, 512)
-    with pytest.raises(ValueError, match="Q5_K: expected 4 rows of 176 bytes"):
-        layouts.pack("Q5_K", raw, 4, 256)
-    with pytest.raises(ValueError, match="k = 100 must be a positive multiple of 256"):
-        kquants.dequantize("Q4_K", raw, 100)
     w = layouts.pack("Q4_K", raw, 4, 256)
-    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
-        layouts.rows(w, [4])
+    assert_refused([
+        ("Q4_K: k = 128 must be a positive multiple of 256", lambda: layouts.pack("Q4_K", raw, 4, 128)),
+        ("Q5_K: k = 320 must be a positive multiple of 256", lambda: layouts.pack("Q5_K", raw, 4, 320)),
+        ("Q4_K: expected 4 rows of 288 bytes", lambda: layouts.pack("Q4_K", raw, 4, 512)),
+        ("Q5_K: expected 4 rows of 176 bytes", lambda: layouts.pack("Q5_K", raw, 4, 256)),
+        ("k = 100 must be a positive multiple of 256", lambda: kquants.dequantize("Q4_K", raw, 100)),
+        ("ids: row indices must be integers in", lambda: layouts.rows(w, [4])),
+    ])
 
 
 # --------------------------------------------------------------------------- kernels
@@ -155,22 +147,7 @@ def magnitude_bound(qs, d, raw, type_name, n, k):
     scale = np.abs(dd[:, None] * sc.astype(np.float64))[..., None] * q
     offset = np.abs(dmin[:, None] * m.astype(np.float64))[..., None]
     weights = (scale + offset).reshape(n, k)
-    act = np.abs(qs.astype(np.float64)).reshape(qs.shape[0], -1, BLOCK) * d.astype(np.float64)[..., None]
-    return act.reshape(qs.shape[0], k) @ weights.T
-
-
-def assert_close_to_reference(got, want, bound):
-    # Integer dot products are exact; the rest is f32 rounding of the scale products and of
-    # the running sum over k/32 blocks (see tests/test_qgemm.py): inside 1e-5 of sum|w||a|.
-    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-5 * bound + 1e-30)
-
-
-def run_both(native, ref, qs, d, s, w, isa, rows=None):
-    m = qs.shape[0]
-    got, want = nan_buffer((m, w.n)), nan_buffer((m, w.n))
-    native.qgemm(qs, d, s, w, got, rows=rows, isa=isa)
-    ref.qgemm(qs, d, s, w, want, rows=rows)
-    return got, want
+    return activation_magnitudes(qs, d) @ weights.T
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
@@ -178,7 +155,7 @@ def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
     raw = random_raw(data.draw, type_name, n, k)
     w = layouts.pack(type_name, raw, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    got, want = run_both(native, ref, qs, d, s, w, isa)
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     assert_close_to_reference(got, want, magnitude_bound(qs, d, raw, type_name, n, k))
 
 
@@ -186,13 +163,8 @@ def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
 def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
     raw = random_raw(data.draw, type_name, n, k)
     w = layouts.pack(type_name, raw, n, k)
-    qs, d, s = quantized_activations(native, data.draw, m, k)
-    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
-    n1 = data.draw(st.integers(n0 + 1, n))
-    got, want = run_both(native, ref, qs, d, s, w, isa, rows=(n0, n1))
-    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
-    bound = magnitude_bound(qs, d, raw, type_name, n, k)
-    assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], bound[:, n0:n1])
+    assert_row_range_writes_only_its_columns(native, ref, isa, data.draw, w, m,
+                                             lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, st.sampled_from([256, 512, 1280]))
@@ -201,13 +173,10 @@ def test_qgemm_rows_do_not_depend_on_their_batch(native, isa, data, type_name, m
     (the one-row tile), within the batch on this ISA, and on the AVX2 baseline agree bit for bit."""
     w = layouts.pack(type_name, random_raw(data.draw, type_name, n, k), n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    batch, baseline = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, batch, isa=isa)
-    native.qgemm(qs, d, s, w, baseline, isa="avx2")
-    np.testing.assert_array_equal(batch, baseline)
+    batch = qgemm_on(native, isa, qs, d, s, w)
+    np.testing.assert_array_equal(batch, qgemm_on(native, "avx2", qs, d, s, w))
     row = data.draw(st.integers(0, m - 1))
-    alone = nan_buffer((1, n))
-    native.qgemm(qs[row:row + 1], d[row:row + 1], s[row:row + 1], w, alone, isa=isa)
+    alone = qgemm_on(native, isa, qs[row:row + 1], d[row:row + 1], s[row:row + 1], w)
     np.testing.assert_array_equal(alone[0], batch[row])
 
 
@@ -217,10 +186,8 @@ def test_qgemm_on_real_tensors(native, ref, isa, type_name):
     for file, name, raw, n, k in real_tensors(type_name, per_file=1):
         w = layouts.pack(type_name, raw, n, k)
         for m in (1, 7, 17):
-            x = buffers.aligned_copy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
-            qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-            native.quantize_q8(x, qs, d, s)
-            got, want = run_both(native, ref, qs, d, s, w, isa)
+            qs, d, s = q8_activations(native, random_activations(m, k, seed=m))
+            got, want = qgemm_both(native, ref, qs, d, s, w, isa)
             assert_close_to_reference(got, want, magnitude_bound(qs, d, raw, type_name, n, k))
 
 
@@ -228,16 +195,11 @@ def test_qgemm_on_real_tensors(native, ref, isa, type_name):
 @pytest.mark.parametrize("n", [8, 17, 40])
 def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     """The last row groups end at an unreadable page: no read past either weight array."""
-    m, k = 5, 512
-    keep = []
+    k = 512
     raw = kquants.random_blocks(type_name, n, k, np.random.default_rng(n))
     w = layouts.pack(type_name, raw, n, k)
-    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
-    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    got, want = run_both(native, ref, qs, d, s, w, isa)
-    assert_close_to_reference(got, want, magnitude_bound(qs, d, raw, type_name, n, k))
+    assert_reads_nothing_past_the_weight(native, ref, isa, w, 5, n,
+                                         lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -254,7 +216,7 @@ def test_qgemm_extreme_quants_do_not_overflow(native, ref, isa, type_name):
     qs[0], qs[1], qs[2] = 127, -127, np.where(np.arange(k) % 2, 127, -127)
     d, s = buffers.full((m, k // BLOCK), 1.0), buffers.empty((m, k // BLOCK))
     s[...] = qs.reshape(m, -1, BLOCK).sum(axis=-1)
-    got, want = run_both(native, ref, qs, d, s, w, isa)
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     top = 15 if type_name == "Q4_K" else 31
     np.testing.assert_array_equal(want[0], 63 * top * 127 * k)
     np.testing.assert_array_equal(got, want)
@@ -264,26 +226,25 @@ def test_qgemm_rejects_bad_k_quant_weights(native, isa):
     from llambda.runtime.native import quant as n_quant
     m, n, k = 2, 10, 256
     w = layouts.pack("Q5_K", kquants.random_blocks("Q5_K", n, k, np.random.default_rng(0)), n, k)
-    qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 8)), buffers.zeros((m, 8)), buffers.zeros((m, n))
-    with pytest.raises(ValueError, match="w.scales: data must be 32-byte aligned"):
-        n_quant.qgemm_call(qs, d, s, dataclasses.replace(
-            w, arrays=dict(w.arrays, scales=misaligned(w.arrays["scales"]))), out, isa=isa)
-    with pytest.raises(ValueError, match="w.scales: expected shape"):
-        n_quant.qgemm_call(qs, d, s, dataclasses.replace(
-            w, arrays=dict(w.arrays, scales=w.arrays["scales"][:, :0])), out, isa=isa)
-    with pytest.raises(ValueError, match="w.qs: expected shape"):
-        n_quant.qgemm_call(qs, d, s, dataclasses.replace(w, kind="q4_k"), out, isa=isa)
-    with pytest.raises(ValueError, match="w.scales: expected dtype uint8"):
-        n_quant.qgemm_call(qs, d, s, dataclasses.replace(
-            w, arrays=dict(w.arrays, scales=w.arrays["scales"].view(np.int8))), out, isa=isa)
+    out = buffers.zeros((m, n))
     odd = dataclasses.replace(w, k=288, arrays=dict(qs=buffers.zeros((2, 9, 5, 8, 4), np.uint8),
                                                     scales=w.arrays["scales"]))
-    with pytest.raises(ValueError, match="w: kind q5_k needs k to be a multiple of 256, got k = 288"):
-        n_quant.qgemm_call(buffers.zeros((m, 288), np.int8), buffers.zeros((m, 9)), buffers.zeros((m, 9)),
-                           odd, out, isa=isa)
-    with pytest.raises(ValueError, match="w: has k = 256 but the activations have k = 512"):
-        n_quant.qgemm_call(buffers.zeros((m, 512), np.int8), buffers.zeros((m, 16)), buffers.zeros((m, 16)),
-                           w, out, isa=isa)
+
+    def call(weight, k=k):
+        acts = buffers.zeros((m, k), np.int8), buffers.zeros((m, k // BLOCK)), buffers.zeros((m, k // BLOCK))
+        return n_quant.qgemm_call(*acts, weight, out, isa=isa)
+
+    def with_scales(scales):
+        return call(dataclasses.replace(w, arrays=dict(w.arrays, scales=scales)))
+
+    assert_refused([
+        ("w.scales: data must be 32-byte aligned", lambda: with_scales(misaligned(w.arrays["scales"]))),
+        ("w.scales: expected shape", lambda: with_scales(w.arrays["scales"][:, :0])),
+        ("w.qs: expected shape", lambda: call(dataclasses.replace(w, kind="q4_k"))),
+        ("w.scales: expected dtype uint8", lambda: with_scales(w.arrays["scales"].view(np.int8))),
+        ("w: kind q5_k needs k to be a multiple of 256, got k = 288", lambda: call(odd, k=288)),
+        ("w: has k = 256 but the activations have k = 512", lambda: call(w, k=512)),
+    ])
 
 
 def test_pack_scale_min_is_the_inverse_of_scale_min():
@@ -300,15 +261,13 @@ def test_pack_scale_min_is_the_inverse_of_scale_min():
 def test_k_quant_decode_runs_on_the_widest_isa(native, type_name):
     """Their AVX2 GEMV is bound by unpacking, not memory: decode (m < 4) takes AVX-512 too
     (bit-identical: test_qgemm_rows_do_not_depend_on_their_batch)."""
-    from llambda.runtime.native import quant as n_quant
     runnable("avx512")
-    n_quant.widest_qgemm_isa.cache_clear()
-    try:
+    with widest_isa_chosen_under(None, None) as n_quant:
         n, k = 16, 256
         w = layouts.pack(type_name, kquants.random_blocks(type_name, n, k, np.random.default_rng(0)), n, k)
-        qs, d, s, out = buffers.zeros((1, k), np.int8), buffers.zeros((1, 8)), buffers.zeros((1, 8)), buffers.zeros((1, n))
+        qs, d, s, out = zero_operands(1, n, k)
         symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
         expected = "avx2" if os.environ.get("LLAMBDA_ISA") == "avx2" else "avx512"
         assert symbol.endswith("__" + expected)
-    finally:
-        n_quant.widest_qgemm_isa.cache_clear()
+
+

@@ -27,9 +27,6 @@ recorded positions: 12-50 on these models):
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -37,27 +34,12 @@ import llambda
 from llambda import convert
 from llambda.llamacpp_compare import kl_divergence
 from fixture_models import ARCHS, TYPES, content_sha256, fixture_spec, sha256_of, write_fixture_model
+from llamacpp_fixtures import Recording
 from reference_forward import reference_logits
 
-FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 FLOAT_TYPES = ("F32", "F16")
 
 CASES = [pytest.param(arch, type_name, id=f"{arch}-{type_name}") for arch in ARCHS for type_name in TYPES]
-
-
-class Recording:
-    def __init__(self, arch, type_name):
-        path = FIXTURES / f"{arch}-{type_name}.npz"
-        if not path.exists():
-            pytest.fail(f"{path} is missing: run tools/record_llamacpp_logits.py --arch {arch} "
-                        f"--type {type_name} (needs llama-cpp-python)")
-        with np.load(path) as data:
-            self.logits = data["logits"]
-            self.positions = data["positions"].tolist()
-            self.ids = data["ids"].tolist()
-            self.sha256 = str(data["sha256"])
-            self.content_sha256 = str(data["content_sha256"])
-            self.params = json.loads(str(data["params"]))
 
 
 _models: dict = {}
@@ -72,7 +54,7 @@ def _fixture(arch, type_name, model_dir):
     """(recording, GGUF path, llb path) for one combination, generated once per module."""
     key = (arch, type_name)
     if key not in _models:
-        recording = Recording(arch, type_name)
+        recording = Recording(f"{arch}-{type_name}", how=f"--set referee --arch {arch} --type {type_name} ")
         gguf_path = write_fixture_model(model_dir / f"{arch}-{type_name}.gguf", arch, type_name,
                                         recording.params["seed"])
         _models[key] = (recording, gguf_path, model_dir / f"{arch}-{type_name}.llb")

@@ -3,15 +3,13 @@
 quantized weights, except that top-1 must agree wherever the reference's top-2 margin is clear
 (at these shapes Q8_0, too, flips a few near-ties of margin ~0.02). K-quant rows are multiples
 of 256, hence the wider shapes."""
-import hashlib
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import llambda
+from llambda.llamacpp_compare import kl_divergence
 from llambda.synth import write_random_llama
+from llamacpp_fixtures import synth_recording
 from reference_forward import reference_logits
 from test_model import _kl, _prompt
 
@@ -57,39 +55,23 @@ def test_decode_step_by_step_equals_prefill(kquant_model):
                                    atol=1e-4 * (1 + np.abs(full).max()))
 
 
-LLAMA_CPP_FIXTURE = Path(__file__).parent / "fixtures" / "llama_cpp_kquant_logits.npz"
-
-
-def _log_softmax(x):
-    x = x.astype(np.float64) - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
 def test_tiny_models_match_recorded_llama_cpp_logits(tmp_path, name):
     """llama.cpp's logits on the same random-weight files, recorded once
-    (tools/record_kquant_fixtures.py: 3 heads of 256, GQA 3:1, k = 768 and 512). Both the
-    fast path and the reference forward must match them: KL(llama.cpp || ours) <= 0.03 at
-    every position and <= 0.01 on average, and the same top-1 wherever llama.cpp's top-2
+    (tools/record_llamacpp_logits.py --set kquant: 3 heads of 256, GQA 3:1, k = 768 and 512).
+    Both the fast path and the reference forward must match them: KL(llama.cpp || ours) <= 0.03
+    at every position and <= 0.01 on average, and the same top-1 wherever llama.cpp's top-2
     margin is clear. (llama.cpp multiplies K-quants by Q8_K activations, int8 with one scale
     per 256: even the f32 reference forward is ~0.01 from it at worst, the fast path ~0.003
     from the reference.)"""
-    fixture = np.load(LLAMA_CPP_FIXTURE)
-    synth = json.loads(str(fixture["synth"]))
-    tensor_type, embed_type, tied = synth["models"][name]
-    path = tmp_path / f"tiny-{name}.gguf"
-    write_random_llama(path, tensor_type=tensor_type, embed_type=embed_type, tied=tied, seed=synth["seed"],
-                       n_ctx=synth["n_ctx"], **synth["shape"])
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(fixture[f"{name}_sha256"]), (
-        "the synthetic model's bytes changed: re-record with tools/record_kquant_fixtures.py")
-    ids = fixture["ids"].tolist()
-    expected = _log_softmax(fixture[f"{name}_logits"].astype(np.float32))
+    recording, path = synth_recording("kquant", name, tmp_path)
+    ids, expected = recording.ids, recording.logits
     top2 = np.sort(expected, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > CLEAR_MARGIN
     assert clear.mean() >= 0.8
     model = llambda.load(path, n_ctx=256, progress=False)
     for got in (model.logits(ids), reference_logits(str(path), ids)):
-        ours = _log_softmax(got)
-        kl = (np.exp(expected) * (expected - ours)).sum(-1)
+        got = got[recording.positions]
+        kl = kl_divergence(expected, got)
         assert kl.max() <= 0.03 and kl.mean() <= 0.01, f"KL per position up to {kl.max():.4f}"
-        np.testing.assert_array_equal(ours.argmax(-1)[clear], expected.argmax(-1)[clear])
+        np.testing.assert_array_equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])

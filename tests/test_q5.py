@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from helpers import nan_buffer, float_arrays
+from helpers import (LEGACY_BLOCKS, activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
+                     assert_reads_nothing_past_the_weight, assert_refused,
+                     assert_row_range_writes_only_its_columns, drawn_weight, misaligned, q8_activations,
+                     qgemm_both, qgemm_on, quantized_activations, random_activations,
+                     random_gguf_weight as random_q5, runnable, widest_isa_chosen_under, zero_operands)
 from llambda.runtime import buffers, layouts
 from llambda.runtime.layout_q5 import packed_quants, unpacked_quants
 from llambda.runtime.layouts import PackedWeight
@@ -18,7 +22,7 @@ from llambda.runtime.ref.gguf_blocks import Q5_BLOCK_BYTES, dequantize_q5_0, deq
 from llambda.codegen.contract import BLOCK, GROUP
 TYPES = ("Q5_0", "Q5_1")
 REFERENCE = {"Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1}
-SCALE_FIELDS = {"Q5_0": 1, "Q5_1": 2}
+SCALE_FIELDS = {name: LEGACY_BLOCKS[name][1] for name in TYPES}
 # Real files holding these types (llama.cpp falls back to Q5_0 where Q4_K does not fit).
 REAL_FILES = {"Q5_1": "/work/models/smollm2-135m-Q5_1.gguf", "Q5_0": "/work/models/smollm2-135m-Q4_K_M.gguf"}
 
@@ -26,19 +30,6 @@ REAL_FILES = {"Q5_1": "/work/models/smollm2-135m-Q5_1.gguf", "Q5_0": "/work/mode
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33, 37]) | st.integers(1, 40)
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 24, 25, 33, 100]) | st.integers(1, 120)
 k_sizes = st.sampled_from([32, 64, 96, 576]) | st.integers(1, 20).map(lambda b: BLOCK * b)
-
-
-def random_q5(type_name, n, k, seed=0, magnitude=1.0):
-    """Raw GGUF Q5 bytes [n, row bytes]: arbitrary quant and qh bytes, f16 scales (and mins)
-    mixing zeros, signs and ``magnitude``."""
-    rng = np.random.default_rng(seed)
-    fields = SCALE_FIELDS[type_name]
-    raw = rng.integers(0, 256, (n, k // BLOCK, Q5_BLOCK_BYTES[type_name]), dtype=np.uint8)
-    finite = np.finfo(np.float16).max
-    scales = np.clip(rng.standard_normal((n, k // BLOCK, fields)) * magnitude, -finite, finite).astype(np.float16)
-    scales[rng.random(scales.shape) < 0.1] = 0
-    raw[..., :2 * fields] = scales.view(np.uint8)
-    return raw.reshape(n, -1)
 
 
 def bits(values):
@@ -84,15 +75,9 @@ def test_reference_layout_and_kernels_on_real_tensors(native, ref, type_name):
         np.testing.assert_array_equal(bits(REFERENCE[type_name](raw)).reshape(n, k), bits(want), err_msg=tensor.name)
         w = layouts.pack(type_name, raw, n, k)
         np.testing.assert_array_equal(bits(layouts.dequantize(w)), bits(want), err_msg=tensor.name)
-        m = 5
-        x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-        qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-        native.quantize_q8(x, qs, d, s)
-        expected = nan_buffer((m, n))
-        ref.qgemm(qs, d, s, w, expected)
+        qs, d, s = q8_activations(native, random_activations(5, k, seed=n))
         for isa in qgemm_isas():
-            got = nan_buffer((m, n))
-            native.qgemm(qs, d, s, w, got, isa=isa)
+            got, expected = qgemm_both(native, ref, qs, d, s, w, isa)
             assert_close_to_reference(got, expected, magnitude_bound(qs, d, w))
 
 
@@ -128,43 +113,18 @@ def test_layout_arrays_are_aligned_padded_and_as_compact_as_gguf():
 
 
 def test_pack_rejects_bad_tensors():
-    with pytest.raises(ValueError, match="Q5_0: k = 48 must be a positive multiple of 32"):
-        layouts.pack("Q5_0", np.zeros((4, 33), np.uint8), 4, 48)
-    with pytest.raises(ValueError, match=r"Q5_1: expected 4 rows of 48 bytes for a \[4, 64\] tensor"):
-        layouts.pack("Q5_1", np.zeros((4, 44), np.uint8), 4, 64)
-    with pytest.raises(ValueError, match="Q5_0: n = 0 must be >= 1"):
-        layouts.pack("Q5_0", np.zeros((0, 22), np.uint8), 0, 32)
     w = layouts.pack("Q5_0", np.zeros((4, 22), np.uint8), 4, 32)
-    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
-        layouts.rows(w, [4])
+    assert_refused([
+        ("Q5_0: k = 48 must be a positive multiple of 32",
+         lambda: layouts.pack("Q5_0", np.zeros((4, 33), np.uint8), 4, 48)),
+        (r"Q5_1: expected 4 rows of 48 bytes for a \[4, 64\] tensor",
+         lambda: layouts.pack("Q5_1", np.zeros((4, 44), np.uint8), 4, 64)),
+        ("Q5_0: n = 0 must be >= 1", lambda: layouts.pack("Q5_0", np.zeros((0, 22), np.uint8), 0, 32)),
+        ("ids: row indices must be integers in", lambda: layouts.rows(w, [4])),
+    ])
 
 
 # --------------------------------------------------------------------------- kernels
-
-def runnable(isa):
-    from llambda.runtime.native import quant as n_quant
-    if isa not in n_quant.qgemm_isas():
-        pytest.skip(f"this CPU does not run the {isa} qgemm kernels")
-    return isa
-
-
-@pytest.fixture(scope="module", params=("avx2", "avx512"))
-def isa(request, native):
-    return runnable(request.param)
-
-
-def drawn_weight(draw, type_name, n, k):
-    seed = draw(st.integers(0, 2**32 - 1))
-    magnitude = draw(st.sampled_from([1e-6, 1e-3, 1.0, 300.0]))
-    return layouts.pack(type_name, random_q5(type_name, n, k, seed, magnitude), n, k)
-
-
-def quantized_activations(native, draw, m, k):
-    x = float_arrays(draw, (m, k))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    return qs, d, s
-
 
 def magnitude_bound(qs, d, w):
     """sum_k (|d_w q_w| + |m_w|) |d_a q_a|: the terms the kernel adds (m = -16 d for q5_0)."""
@@ -178,39 +138,22 @@ def magnitude_bound(qs, d, w):
     q = np.stack([unpacked_quants(w.arrays["qs"][:, :, :, r].reshape(groups, kb, 20)) for r in range(GROUP)], axis=2)
     per_weight = d_w[..., None] * q + m_w[..., None]                   # [groups, kb, 8, 32]
     weights = per_weight.transpose(0, 2, 1, 3).reshape(groups * GROUP, -1)[:w.n]
-    m, k = qs.shape
-    act = np.abs(qs.astype(np.float64)).reshape(m, -1, BLOCK) * d.astype(np.float64)[..., None]
-    return act.reshape(m, k) @ weights.T
-
-
-def assert_close_to_reference(got, want, bound):
-    # Integer block sums are exact; the error is f32 rounding of the scale products and of
-    # the running sum over k/32 blocks: ~(k/32 + 3) * 2^-24 of sum(|d q| + |m|) |a|, inside
-    # 1e-5 of it for k <= 4096 (as for q4_1, see test_qgemm.py).
-    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-5 * bound + 1e-30)
+    return activation_magnitudes(qs, d) @ weights.T
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
 def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, st.integers(1, 70), k_sizes)
 def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized_activations(native, data.draw, m, k)
-    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
-    n1 = data.draw(st.integers(n0 + 1, n))
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, rows=(n0, n1), isa=isa)
-    ref.qgemm(qs, d, s, w, want, rows=(n0, n1))
-    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
-    assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], magnitude_bound(qs, d, w)[:, n0:n1])
+    assert_row_range_writes_only_its_columns(native, ref, isa, data.draw, w, m,
+                                             lambda qs, d: magnitude_bound(qs, d, w))
 
 
 @given(st.data(), st.sampled_from(TYPES), m_sizes, n_sizes, k_sizes)
@@ -220,10 +163,7 @@ def test_qgemm_isas_agree_bit_for_bit_on_every_row(native, data, type_name, m, n
     runnable("avx512")
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, baseline, isa="avx2")
-    native.qgemm(qs, d, s, w, got, isa="avx512")
-    np.testing.assert_array_equal(got, baseline)
+    np.testing.assert_array_equal(qgemm_on(native, "avx512", qs, d, s, w), qgemm_on(native, "avx2", qs, d, s, w))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -239,12 +179,8 @@ def test_qgemm_extreme_scales(native, ref, isa, type_name):
     w = layouts.pack(type_name, raw.reshape(n, -1), n, k)
     x = np.full((m, k), 127.0, np.float32)
     x[1::2] = -127.0
-    x = buffers.aligned_copy(x)
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
+    qs, d, s = q8_activations(native, buffers.aligned_copy(x))
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     assert np.isfinite(got).all()
     assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
 
@@ -252,55 +188,16 @@ def test_qgemm_extreme_scales(native, ref, isa, type_name):
 @given(st.data(), st.sampled_from(TYPES), st.integers(2, 20), st.integers(1, 40), st.sampled_from([32, 96]))
 def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized_activations(native, data.draw, m, k)
-    first = data.draw(st.integers(1, m - 1))
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs[first:], d[first:], s[first:], w, got[first:], isa=isa)
-    ref.qgemm(qs[first:], d[first:], s[first:], w, want[first:])
-    assert np.isnan(got[:first]).all()
-    assert_close_to_reference(got[first:], want[first:], magnitude_bound(qs[first:], d[first:], w))
-
-
-def before_a_guard_page(array, keep):
-    """A copy of ``array`` that ends where an unreadable page begins (``keep`` holds the mapping)."""
-    import ctypes
-    import mmap
-    page = mmap.PAGESIZE
-    pages = -(-array.nbytes // page) + 1
-    mapping = mmap.mmap(-1, pages * page)
-    keep.append(mapping)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0     # PROT_NONE
-    start = (pages - 1) * page - array.nbytes
-    copy = np.frombuffer(mapping, np.uint8, array.nbytes, start).view(array.dtype).reshape(array.shape)
-    copy[...] = array
-    return copy
+    assert_on_row_slices(native, ref, isa, data.draw, w, m, lambda qs, d: magnitude_bound(qs, d, w))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("n", [8, 17, 24, 40])
 def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     """The weight's arrays end at an unreadable page (k = 64: every array a multiple of 32 bytes)."""
-    m, k = 5, 64
-    keep = []
+    k = 64
     w = layouts.pack(type_name, random_q5(type_name, n, k), n, k)
-    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
-    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
-    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
-
-
-def misaligned(array):
-    raw = buffers.empty(array.nbytes + 16, np.uint8)[16:]
-    copy = raw.view(array.dtype).reshape(array.shape)
-    copy[...] = array
-    return copy
+    assert_reads_nothing_past_the_weight(native, ref, isa, w, 5, n, lambda qs, d: magnitude_bound(qs, d, w))
 
 
 @pytest.mark.parametrize("type_name, scale_name", [("Q5_0", "d"), ("Q5_1", "dm")])
@@ -309,27 +206,28 @@ def test_qgemm_rejects_bad_five_bit_weights(native, isa, type_name, scale_name):
     w = layouts.pack(type_name, random_q5(type_name, n, k), n, k)
     qs, d, s = buffers.zeros((m, k), np.int8), buffers.zeros((m, 2)), buffers.zeros((m, 2))
     out = buffers.zeros((m, n))
+    other = "dm" if scale_name == "d" else "d"
 
     def qgemm(weight, **kwargs):
         native.qgemm(qs, d, s, weight, out, isa=isa, **kwargs)
 
-    with pytest.raises(ValueError, match="w.qs: data must be 32-byte aligned"):
-        qgemm(dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))))
-    with pytest.raises(ValueError, match="w.qs: expected shape"):
-        qgemm(dataclasses.replace(w, arrays=dict(w.arrays, qs=w.arrays["qs"][:, :, :4].copy())))
-    with pytest.raises(ValueError, match="w.qs: expected dtype uint8"):
-        qgemm(dataclasses.replace(w, arrays=dict(w.arrays, qs=w.arrays["qs"].view(np.int8))))
-    with pytest.raises(ValueError, match=f"w.{scale_name}: expected a numpy array"):
-        qgemm(dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])))
-    other = "dm" if scale_name == "d" else "d"
-    with pytest.raises(ValueError, match=f"w.{scale_name}: expected a numpy array"):
-        qgemm(dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"], **{other: w.arrays[scale_name]})))
-    with pytest.raises(ValueError, match="w: has k = 64 but the activations have k = 32"):
-        native.qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out, isa=isa)
-    with pytest.raises(ValueError, match="w: qgemm needs a weight of kind .*q5_0, q5_1.*got kind 'q5_2'"):
-        qgemm(dataclasses.replace(w, kind="q5_2"))
-    with pytest.raises(ValueError, match="w: qgemm needs a weight of kind"):
-        qgemm(PackedWeight("f32", n, k))
+    def with_arrays(**arrays):
+        qgemm(dataclasses.replace(w, arrays=arrays))
+
+    assert_refused([
+        ("w.qs: data must be 32-byte aligned", lambda: with_arrays(**dict(w.arrays, qs=misaligned(w.arrays["qs"])))),
+        ("w.qs: expected shape", lambda: with_arrays(**dict(w.arrays, qs=w.arrays["qs"][:, :, :4].copy()))),
+        ("w.qs: expected dtype uint8", lambda: with_arrays(**dict(w.arrays, qs=w.arrays["qs"].view(np.int8)))),
+        (f"w.{scale_name}: expected a numpy array", lambda: with_arrays(qs=w.arrays["qs"])),
+        (f"w.{scale_name}: expected a numpy array",
+         lambda: with_arrays(qs=w.arrays["qs"], **{other: w.arrays[scale_name]})),
+        ("w: has k = 64 but the activations have k = 32",
+         lambda: native.qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out,
+                              isa=isa)),
+        ("w: qgemm needs a weight of kind .*q5_0, q5_1.*got kind 'q5_2'",
+         lambda: qgemm(dataclasses.replace(w, kind="q5_2"))),
+        ("w: qgemm needs a weight of kind", lambda: qgemm(PackedWeight("f32", n, k))),
+    ])
     qgemm(w)                                  # and the process is fine
 
 
@@ -338,63 +236,36 @@ def test_qgemm_rejects_bad_five_bit_weights(native, isa, type_name, scale_name):
 def test_five_bit_decode_runs_on_the_widest_variant(native, monkeypatch, type_name, cap, expected):
     """Unlike q4_1 / q8_0, five-bit weights decode (m < 4) on AVX-512 when the CPU has it
     (runtime/native/quant.py AVX512_DECODE_KINDS); LLAMBDA_ISA=avx2 still caps it."""
-    from llambda.runtime.native import quant as n_quant
     runnable("avx512")
     n, k = 16, 32
     w = layouts.pack(type_name, random_q5(type_name, n, k), n, k)
-    n_quant.widest_qgemm_isa.cache_clear()
-    try:
-        if cap:
-            monkeypatch.setenv("LLAMBDA_ISA", cap)
-        else:
-            monkeypatch.delenv("LLAMBDA_ISA", raising=False)
+    with widest_isa_chosen_under(monkeypatch, cap) as n_quant:
         for m in (1, 3, 16):
-            qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
+            qs, d, s, out = zero_operands(m, n, k)
             symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
             assert symbol.endswith(f"__{expected}")
-    finally:
-        n_quant.widest_qgemm_isa.cache_clear()
 
 
 # --------------------------------------------------------------------------- end to end, llama.cpp as referee
 
-LLAMA_CPP_FIXTURE = Path(__file__).parent / "fixtures" / "llama_cpp_q5_logits.npz"
-
-
-def _kl(p_logits, q_logits):
-    """KL(p || q) per row, from logits."""
-    def log_softmax(x):
-        x = x.astype(np.float64) - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
-    return (np.exp(lp) * (lp - lq)).sum(-1)
-
-
 @pytest.mark.parametrize("type_name", TYPES)
 def test_tiny_models_match_recorded_llama_cpp_logits(tmp_path, type_name):
     """Random-weight llama GGUFs (3 heads, GQA 3:1, k = 96 and 160) in Q5_0 / Q5_1, run by
-    llama.cpp once (tools/record_q5_fixtures.py). Both the fast path and the reference
-    forward quantize differently from llama.cpp (int8 activations / none), so: the same
-    top-1 wherever llama.cpp's top-2 margin is clear, KL(llama.cpp || ours) <= 0.01 on
+    llama.cpp once (tools/record_llamacpp_logits.py --set q5). Both the fast path and the
+    reference forward quantize differently from llama.cpp (int8 activations / none), so: the
+    same top-1 wherever llama.cpp's top-2 margin is clear, KL(llama.cpp || ours) <= 0.01 on
     average, and max |dlogit| <= 5% of the logit spread."""
-    import hashlib
-    import json
     import llambda
-    from llambda.synth import write_random_llama
+    from llambda.llamacpp_compare import kl_divergence
+    from llamacpp_fixtures import synth_recording
     from reference_forward import reference_logits
-    fixture = np.load(LLAMA_CPP_FIXTURE)
-    synth = json.loads(str(fixture["synth"]))
-    path = tmp_path / f"tiny-{type_name}.gguf"
-    write_random_llama(path, tensor_type=type_name, **synth)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == str(fixture[f"{type_name}_sha256"]), (
-        "the synthetic model's bytes changed: re-record with tools/record_q5_fixtures.py")
-    ids = fixture["ids"].tolist()
-    expected = fixture[f"{type_name}_logits"].astype(np.float32)
+    recording, path = synth_recording("q5", type_name, tmp_path)
+    ids, expected = recording.ids, recording.logits
     top2 = np.sort(expected, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.01 * (expected.max() - expected.min())
     fast = llambda.load(path, n_ctx=256, progress=False).logits(ids)
     for name, got in (("fast path", fast), ("reference forward", reference_logits(str(path), ids))):
+        got = got[recording.positions]
         assert (got.argmax(-1) == expected.argmax(-1))[clear].all(), name
-        assert _kl(expected, got).mean() <= 0.01, name
+        assert kl_divergence(expected, got).mean() <= 0.01, name
         assert np.abs(got - expected).max() <= 0.05 * (expected.max() - expected.min()), name

@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from helpers import nan_buffer, float_arrays
+from helpers import (activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
+                     assert_reads_nothing_past_the_weight, assert_refused,
+                     assert_row_range_writes_only_its_columns, drawn_weight, misaligned, q8_activations,
+                     qgemm_both, qgemm_on, quantized_activations, random_activations, random_gguf_weight,
+                     runnable, widest_isa_chosen_under, zero_operands)
 from llambda.runtime import buffers, layouts
 from llambda.runtime.layouts import PackedWeight
 
@@ -14,25 +18,10 @@ from llambda.codegen.contract import BLOCK, GROUP
 # and 1 rows; a lone last row group), sampled below with their edges.
 ISAS = ("avx2", "avx512")
 AVX2_TILE_M = 6
-# GGUF block layout: (bytes per block, f16 scale fields in front of the quants)
-GGUF_BLOCKS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33, 37]) | st.integers(1, 40)
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 24, 25, 33, 100]) | st.integers(1, 120)
 k_sizes = st.sampled_from([32, 64, 96, 576]) | st.integers(1, 20).map(lambda b: BLOCK * b)
-
-
-def runnable(isa):
-    from llambda.runtime.native import quant as n_quant
-    if isa not in n_quant.qgemm_isas():
-        pytest.skip(f"this CPU does not run the {isa} qgemm kernels")
-    return isa
-
-
-@pytest.fixture(scope="module", params=ISAS)
-def isa(request, native):
-    """Every qgemm variant this CPU runs; the others are skipped (and say so)."""
-    return runnable(request.param)
 
 
 @pytest.fixture(scope="module", params=ISAS[1:])
@@ -41,55 +30,19 @@ def wide_isa(request, native):
     return runnable(request.param)
 
 
-def random_gguf_weight(type_name, n, k, seed=0, magnitude=1.0):
-    """Raw GGUF bytes with arbitrary quants and f16 scales mixing zeros, signs and magnitudes."""
-    rng = np.random.default_rng(seed)
-    block_bytes, fields = GGUF_BLOCKS[type_name]
-    raw = rng.integers(0, 256, (n, k // BLOCK, block_bytes), dtype=np.uint8)
-    scales = (rng.standard_normal((n, k // BLOCK, fields)) * magnitude).astype(np.float16)
-    scales[rng.random(scales.shape) < 0.1] = 0
-    raw[..., :2 * fields] = scales.view(np.uint8)
-    return raw.reshape(n, -1)
-
-
-def drawn_weight(draw, type_name, n, k):
-    seed = draw(st.integers(0, 2**32 - 1))
-    magnitude = draw(st.sampled_from([1e-6, 1e-3, 1.0, 300.0]))
-    return layouts.pack(type_name, random_gguf_weight(type_name, n, k, seed, magnitude), n, k)
-
-
-def quantized_activations(native, draw, m, k):
-    x = float_arrays(draw, (m, k))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    return qs, d, s
-
-
 def magnitude_bound(qs, d, w):
     """sum_k |d_w q_w| + |m_w|) * |d_a q_a|: what float rounding errors are relative to."""
     if w.kind == "q4_1":
         w = dataclasses.replace(w, arrays=dict(w.arrays, dm=np.abs(w.arrays["dm"])))
     weights = np.abs(layouts.dequantize(w).astype(np.float64))
-    m, k = qs.shape
-    act = np.abs(qs.astype(np.float64)).reshape(m, -1, BLOCK) * d.astype(np.float64)[..., None]
-    return act.reshape(m, k) @ weights.T
-
-
-def assert_close_to_reference(got, want, bound):
-    # Integer dot products are exact; the error is float32 rounding of the scale products
-    # and of the running sum over k/32 blocks (plus the reference's f32 dequantization):
-    # at most ~(k/32 + 3) * 2^-24 of sum|w||a|, inside 1e-5 of it for k <= 4096. The same
-    # for every ISA: they do the same f32 operations (see codegen/qgemm.py).
-    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-5 * bound + 1e-30)
+    return activation_magnitudes(qs, d) @ weights.T
 
 
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)
 def test_qgemm_matches_reference(native, ref, isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
 
 
@@ -98,14 +51,8 @@ def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_na
     """Threads split the columns at multiples of 8 (16 in plans): a range may start at an odd
     row group and end inside one."""
     w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized_activations(native, data.draw, m, k)
-    n0 = GROUP * data.draw(st.integers(0, (n - 1) // GROUP))
-    n1 = data.draw(st.integers(n0 + 1, n))
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, rows=(n0, n1), isa=isa)
-    ref.qgemm(qs, d, s, w, want, rows=(n0, n1))
-    assert np.isnan(got[:, :n0]).all() and np.isnan(got[:, n1:]).all()
-    assert_close_to_reference(got[:, n0:n1], want[:, n0:n1], magnitude_bound(qs, d, w)[:, n0:n1])
+    assert_row_range_writes_only_its_columns(native, ref, isa, data.draw, w, m,
+                                             lambda qs, d: magnitude_bound(qs, d, w))
 
 
 def rows_summed_like_avx512(type_name, m):
@@ -121,9 +68,7 @@ def rows_summed_like_avx512(type_name, m):
 def test_qgemm_variants_agree_bit_for_bit(native, wide_isa, data, type_name, m, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
-    baseline, got = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, baseline, isa="avx2")
-    native.qgemm(qs, d, s, w, got, isa=wide_isa)
+    baseline, got = qgemm_on(native, "avx2", qs, d, s, w), qgemm_on(native, wide_isa, qs, d, s, w)
     same = rows_summed_like_avx512(type_name, m)
     np.testing.assert_array_equal(got[:same], baseline[:same])
 
@@ -135,14 +80,10 @@ def test_qgemm_rows_a_page_apart(native, ref, isa, type_name, m):
     8-row tiles; the results must not notice."""
     n, k = 40, 4096
     w = layouts.pack(type_name, random_gguf_weight(type_name, n, k, seed=m), n, k)
-    x = buffers.aligned_copy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    got, want, baseline = nan_buffer((m, n)), nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
+    qs, d, s = q8_activations(native, random_activations(m, k, seed=m))
+    got, want = qgemm_both(native, ref, qs, d, s, w, isa)
     assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
-    native.qgemm(qs, d, s, w, baseline, isa="avx2")
+    baseline = qgemm_on(native, "avx2", qs, d, s, w)
     same = rows_summed_like_avx512(type_name, m) if isa != "avx2" else m
     np.testing.assert_array_equal(got[:same], baseline[:same])
 
@@ -167,27 +108,16 @@ def test_layout_arrays_are_aligned_and_padded():
 
 def test_pack_rejects_bad_tensors():
     raw = np.zeros((4, 20), np.uint8)
-    with pytest.raises(ValueError, match="k = 48 must be a positive multiple of 32"):
-        layouts.pack("Q4_1", raw, 4, 48)
-    with pytest.raises(ValueError, match="expected 4 rows of 40 bytes"):
-        layouts.pack("Q4_1", raw, 4, 64)
-    with pytest.raises(ValueError, match="IQ4_NL is not supported"):
-        layouts.pack("IQ4_NL", raw, 4, 32)
     huge = np.zeros((1, 18), np.uint8)
     huge[0, :2] = np.array([30000], np.float16).view(np.uint8)
-    with pytest.raises(ValueError, match="too large"):
-        layouts.pack("Q4_0", huge, 1, 32)
     w = layouts.pack("Q4_1", raw, 4, 32)
-    with pytest.raises(ValueError, match="ids: row indices must be integers in"):
-        layouts.rows(w, [4])
-
-
-def misaligned(array):
-    """A copy of ``array`` that starts 16 bytes past a 32-byte boundary."""
-    raw = buffers.empty(array.nbytes + 16, np.uint8)[16:]
-    copy = raw.view(array.dtype).reshape(array.shape)
-    copy[...] = array
-    return copy
+    assert_refused([
+        ("k = 48 must be a positive multiple of 32", lambda: layouts.pack("Q4_1", raw, 4, 48)),
+        ("expected 4 rows of 40 bytes", lambda: layouts.pack("Q4_1", raw, 4, 64)),
+        ("IQ4_NL is not supported", lambda: layouts.pack("IQ4_NL", raw, 4, 32)),
+        ("too large", lambda: layouts.pack("Q4_0", huge, 1, 32)),
+        ("ids: row indices must be integers in", lambda: layouts.rows(w, [4])),
+    ])
 
 
 def test_qgemm_rejects_bad_arguments(native, isa):
@@ -199,41 +129,30 @@ def test_qgemm_rejects_bad_arguments(native, isa):
     def qgemm(*args, **kwargs):
         native.qgemm(*args, isa=isa, **kwargs)
 
-    with pytest.raises(ValueError, match="qs: expected dtype int8"):
-        qgemm(buffers.zeros((m, k), np.uint8), d, s, w, out)
-    with pytest.raises(ValueError, match="qs: k = 40 must be a multiple of 32"):
-        qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)
-    with pytest.raises(ValueError, match="d: expected shape"):
-        qgemm(qs, buffers.zeros((m, 3)), s, w, out)
-    with pytest.raises(ValueError, match="s: data must be 4-byte aligned"):
-        qgemm(qs, d, buffers.zeros(2 * m + 1).view(np.uint8)[2:2 + 8 * m].view(np.float32)
-              .reshape(m, 2), w, out)
-    with pytest.raises(ValueError, match="w.qs: data must be 32-byte aligned"):
-        qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))), out)
-    with pytest.raises(ValueError, match="out: expected shape"):
-        qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))
-    with pytest.raises(ValueError, match="out: array must be C-contiguous"):
-        qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])
-    with pytest.raises(ValueError, match="w: expected a PackedWeight"):
-        qgemm(qs, d, s, np.zeros((n, k), np.float32), out)
-    with pytest.raises(ValueError, match="w: qgemm needs a weight of kind q4_1, q8_0"):
-        qgemm(qs, d, s, PackedWeight("f32", n, k), out)
-    with pytest.raises(ValueError, match="w: has k = 64 but the activations have k = 32"):
-        qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)
-    with pytest.raises(ValueError, match="w.dm: expected a numpy array"):
-        qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])), out)
-    with pytest.raises(ValueError, match="w.qs: expected shape"):
-        qgemm(qs, d, s, dataclasses.replace(w, n=17), buffers.zeros((m, 17)))
-    with pytest.raises(ValueError, match=r"rows: n0 must be a multiple of 8 \(the row group\), got 4"):
-        qgemm(qs, d, s, w, out, rows=(4, 8))
-    with pytest.raises(ValueError, match=r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 11\)"):
-        qgemm(qs, d, s, w, out, rows=(8, 11))
-    with pytest.raises(ValueError, match=r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 8\)"):
-        qgemm(qs, d, s, w, out, rows=(8, 8))
-    with pytest.raises(ValueError, match="rows: expected a pair"):
-        qgemm(qs, d, s, w, out, rows=8)
-    with pytest.raises(ValueError, match=r"rows\[1\]: expected an integer, got 7.5"):
-        qgemm(qs, d, s, w, out, rows=(0, 7.5))
+    assert_refused([
+        ("qs: expected dtype int8", lambda: qgemm(buffers.zeros((m, k), np.uint8), d, s, w, out)),
+        ("qs: k = 40 must be a multiple of 32", lambda: qgemm(buffers.zeros((m, 40), np.int8), d, s, w, out)),
+        ("d: expected shape", lambda: qgemm(qs, buffers.zeros((m, 3)), s, w, out)),
+        ("s: data must be 4-byte aligned",
+         lambda: qgemm(qs, d, buffers.zeros(2 * m + 1).view(np.uint8)[2:2 + 8 * m].view(np.float32).reshape(m, 2),
+                       w, out)),
+        ("w.qs: data must be 32-byte aligned",
+         lambda: qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(w.arrays, qs=misaligned(w.arrays["qs"]))), out)),
+        ("out: expected shape", lambda: qgemm(qs, d, s, w, buffers.zeros((m, n + 1)))),
+        ("out: array must be C-contiguous", lambda: qgemm(qs, d, s, w, buffers.zeros((m, 2 * n))[:, ::2])),
+        ("w: expected a PackedWeight", lambda: qgemm(qs, d, s, np.zeros((n, k), np.float32), out)),
+        ("w: qgemm needs a weight of kind q4_1, q8_0", lambda: qgemm(qs, d, s, PackedWeight("f32", n, k), out)),
+        ("w: has k = 64 but the activations have k = 32",
+         lambda: qgemm(buffers.zeros((m, 32), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), w, out)),
+        ("w.dm: expected a numpy array",
+         lambda: qgemm(qs, d, s, dataclasses.replace(w, arrays=dict(qs=w.arrays["qs"])), out)),
+        ("w.qs: expected shape", lambda: qgemm(qs, d, s, dataclasses.replace(w, n=17), buffers.zeros((m, 17)))),
+        (r"rows: n0 must be a multiple of 8 \(the row group\), got 4", lambda: qgemm(qs, d, s, w, out, rows=(4, 8))),
+        (r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 11\)", lambda: qgemm(qs, d, s, w, out, rows=(8, 11))),
+        (r"rows: expected 0 <= n0 < n1 <= 10, got \(8, 8\)", lambda: qgemm(qs, d, s, w, out, rows=(8, 8))),
+        ("rows: expected a pair", lambda: qgemm(qs, d, s, w, out, rows=8)),
+        (r"rows\[1\]: expected an integer, got 7.5", lambda: qgemm(qs, d, s, w, out, rows=(0, 7.5))),
+    ])
     qgemm(qs, d, s, w, out)                   # and the process is fine
     np.testing.assert_array_equal(out, 0)
 
@@ -243,31 +162,7 @@ def test_qgemm_on_row_slices(native, ref, isa, data, type_name, m, n, k):
     """Activations and outputs need only element alignment: the last token's row of a prefill
     feeds the LM head without a copy."""
     w = drawn_weight(data.draw, type_name, n, k)
-    qs, d, s = quantized_activations(native, data.draw, m, k)
-    first = data.draw(st.integers(1, m - 1))
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs[first:], d[first:], s[first:], w, got[first:], isa=isa)
-    ref.qgemm(qs[first:], d[first:], s[first:], w, want[first:])
-    assert np.isnan(got[:first]).all()
-    assert_close_to_reference(got[first:], want[first:], magnitude_bound(qs[first:], d[first:], w))
-
-
-def before_a_guard_page(array, keep):
-    """A copy of ``array`` that ends where an unreadable page begins (``keep`` holds the mapping)."""
-    import ctypes
-    import mmap
-    page = mmap.PAGESIZE
-    pages = -(-array.nbytes // page) + 1
-    mapping = mmap.mmap(-1, pages * page)
-    keep.append(mapping)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0     # PROT_NONE
-    start = (pages - 1) * page - array.nbytes
-    copy = np.frombuffer(mapping, np.uint8, array.nbytes, start).view(array.dtype).reshape(array.shape)
-    copy[...] = array
-    return copy
+    assert_on_row_slices(native, ref, isa, data.draw, w, m, lambda qs, d: magnitude_bound(qs, d, w))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
@@ -276,24 +171,16 @@ def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     """The last row groups end at an unreadable page (a stray read would crash): the AVX-512
     kernel pairs a lone last group with itself, not with the bytes after it. (k = 64 makes
     every weight array a multiple of 32 bytes, so its copy starts aligned.)"""
-    m, k = 5, 64
-    keep = []
+    k = 64
     w = layouts.pack(type_name, random_gguf_weight(type_name, n, k), n, k)
-    w = dataclasses.replace(w, arrays={name: before_a_guard_page(a, keep) for name, a in w.arrays.items()})
-    x = buffers.aligned_copy(np.random.default_rng(n).standard_normal((m, k)).astype(np.float32))
-    qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // BLOCK)), buffers.empty((m, k // BLOCK))
-    native.quantize_q8(x, qs, d, s)
-    got, want = nan_buffer((m, n)), nan_buffer((m, n))
-    native.qgemm(qs, d, s, w, got, isa=isa)
-    ref.qgemm(qs, d, s, w, want)
-    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
+    assert_reads_nothing_past_the_weight(native, ref, isa, w, 5, n, lambda qs, d: magnitude_bound(qs, d, w))
 
 
 def test_qgemm_rejects_an_unknown_or_unavailable_isa(native, monkeypatch):
     from llambda.runtime.native import quant as n_quant
     m, n, k = 4, 16, 32
     w = layouts.pack("Q4_1", random_gguf_weight("Q4_1", n, k), n, k)
-    qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
+    qs, d, s, out = zero_operands(m, n, k)
     with pytest.raises(ValueError, match="isa: expected one of avx2.*got 'avx1024'"):
         native.qgemm(qs, d, s, w, out, isa="avx1024")
     monkeypatch.setattr(n_quant, "qgemm_isas", lambda kind=None: ("avx2",))     # a CPU without AVX-512 VNNI
@@ -305,22 +192,15 @@ def test_qgemm_rejects_an_unknown_or_unavailable_isa(native, monkeypatch):
 @pytest.mark.parametrize("cap, m, expected", [(None, 16, "avx512"), (None, 3, "avx2"), ("avx2", 16, "avx2"),
                                               ("avx512", 4, "avx512")])
 def test_qgemm_chooses_the_widest_variant_that_pays(native, monkeypatch, cap, m, expected):
-    from llambda.runtime.native import quant as n_quant
     runnable(expected)
     n, k = 16, 32
     w = layouts.pack("Q8_0", random_gguf_weight("Q8_0", n, k), n, k)
-    qs, d, s, out = buffers.zeros((m, k), np.int8), buffers.zeros((m, 1)), buffers.zeros((m, 1)), buffers.zeros((m, n))
-    n_quant.widest_qgemm_isa.cache_clear()
-    try:
-        if cap:
-            monkeypatch.setenv("LLAMBDA_ISA", cap)
-        else:
-            monkeypatch.delenv("LLAMBDA_ISA", raising=False)
+    qs, d, s, out = zero_operands(m, n, k)
+    with widest_isa_chosen_under(monkeypatch, cap) as n_quant:
         symbol, _ = n_quant.qgemm_call(qs, d, s, w, out)
         assert symbol.endswith(f"__{expected}")
-        monkeypatch.setenv("LLAMBDA_ISA", "sse2")
-        n_quant.widest_qgemm_isa.cache_clear()
+    with widest_isa_chosen_under(monkeypatch, "sse2") as n_quant:
         with pytest.raises(ValueError, match="LLAMBDA_ISA: expected one of avx2, avx512, got 'sse2'"):
             n_quant.qgemm_call(qs, d, s, w, out)
-    finally:
-        n_quant.widest_qgemm_isa.cache_clear()
+
+

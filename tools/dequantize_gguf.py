@@ -8,48 +8,33 @@ llama.cpp alike, to compare the two on identical weights. Metadata is copied
 as is (general.file_type too); tensors of other types are copied byte for byte.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from llambda.gguf_write import TensorInfo, add_entries, field_entries, write_gguf
+
 
 def dequantized_copy(source, target, types):
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(path=None, arch=arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    plans = []
+    add_entries(writer, field_entries(reader, lambda key: not key.startswith("GGUF.")
+                                      and key != "general.architecture"))
+    infos, arrays = [], []
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))          # numpy order
         if t.tensor_type.name in types:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-            writer.add_tensor_info(t.name, shape, np.dtype(np.float32), data.nbytes)
+            infos.append(TensorInfo(t.name, shape, np.dtype(np.float32), data.nbytes))
         else:
             data = t.data
             raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
-            writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
-        plans.append(data)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for data in plans:
-            writer.write_tensor_data(np.ascontiguousarray(data))
-        writer.close()
-        os.replace(tmp, target)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
+            infos.append(TensorInfo(t.name, data.shape, data.dtype, data.nbytes, raw_dtype=raw))
+        arrays.append(data)
+    return write_gguf(target, writer, infos, arrays)
 
 
 def main(argv=None):

@@ -24,12 +24,33 @@ Q5_BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24}
 _SCALE_FIELDS = {"Q5_0": 1, "Q5_1": 2}      # f16 fields in front of qh
 
 
-def _blocks(raw, type_name):
+def whole_blocks(type_name, raw, size, unit="blocks"):
+    """Raw GGUF bytes of any shape -> uint8 [blocks, size]; a clear error when they are not
+    a whole number of ``size``-byte blocks (``unit`` names them)."""
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-    size = Q5_BLOCK_BYTES[type_name]
     if raw.size % size:
-        raise ValueError(f"{type_name}: {raw.size} bytes is not a whole number of {size}-byte blocks")
+        raise ValueError(f"{type_name}: {raw.size} bytes is not a whole number of {size}-byte {unit}")
     return raw.reshape(-1, size)
+
+
+def checked_rows(type_name, raw, n, k, block, block_bytes, unit="GGUF blocks"):
+    """The raw GGUF rows of an [n, k] tensor stored in blocks of ``block`` weights and
+    ``block_bytes`` bytes, as contiguous uint8 [n, k / block, block_bytes]; a clear error
+    naming the type for a k that is not whole blocks, an empty tensor or the wrong size."""
+    if k < 1 or k % block:
+        raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {block} ({unit})")
+    if n < 1:
+        raise ValueError(f"{type_name}: n = {n} must be >= 1")
+    row_bytes = k // block * block_bytes
+    raw = np.ascontiguousarray(raw).view(np.uint8)
+    if raw.size != n * row_bytes:
+        raise ValueError(f"{type_name}: expected {n} rows of {row_bytes} bytes for a [{n}, {k}] tensor, "
+                         f"got {raw.size} bytes (shape {raw.shape})")
+    return raw.reshape(n, k // block, block_bytes)
+
+
+def _blocks(raw, type_name):
+    return whole_blocks(type_name, raw, Q5_BLOCK_BYTES[type_name])
 
 
 def q5_quants(raw, type_name):

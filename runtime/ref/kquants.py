@@ -23,6 +23,7 @@ operations, so all three agree bit for bit.
 import numpy as np
 
 from ...codegen.contract import BLOCK, SUPER_BLOCK
+from .gguf_blocks import whole_blocks
 
 SUB_BLOCKS = SUPER_BLOCK // BLOCK       # 8 sub-blocks of 32 per super-block
 SCALE_BYTES = 12                        # K_SCALE_SIZE: 8 six-bit scales + 8 six-bit mins
@@ -61,11 +62,7 @@ def super_blocks(type_name, raw, k=None):
     if k is not None and (k < 1 or k % SUPER_BLOCK):
         raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {SUPER_BLOCK} "
                          f"(K-quant super-blocks)")
-    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-    size = SUPER_BYTES[type_name]
-    if raw.size % size:
-        raise ValueError(f"{type_name}: {raw.size} bytes is not a whole number of {size}-byte super-blocks")
-    return raw.reshape(-1, size)
+    return whole_blocks(type_name, raw, SUPER_BYTES[type_name], "super-blocks")
 
 
 def fields(type_name, blocks):

@@ -16,6 +16,7 @@ The packer (runtime/layout_kquant16.py) repacks the decoded integers.
 import numpy as np
 
 from ...codegen.contract import SUPER_BLOCK
+from .gguf_blocks import checked_rows
 SUB_BLOCK = 16
 SUBS = SUPER_BLOCK // SUB_BLOCK
 # bytes per super-block
@@ -24,17 +25,7 @@ BLOCK_BYTES = {"Q6_K": 128 + 64 + 16 + 2, "Q3_K": 32 + 64 + 12 + 2, "Q2_K": 16 +
 
 def super_blocks(type_name, raw, n, k):
     """Raw GGUF rows -> uint8 [n, k/256, bytes]; a clear error for a shape that is not one."""
-    if k < 1 or k % SUPER_BLOCK:
-        raise ValueError(f"{type_name}: k = {k} must be a positive multiple of {SUPER_BLOCK} "
-                         f"(K-quant super-blocks)")
-    if n < 1:
-        raise ValueError(f"{type_name}: n = {n} must be >= 1")
-    row_bytes = k // SUPER_BLOCK * BLOCK_BYTES[type_name]
-    raw = np.ascontiguousarray(raw).view(np.uint8)
-    if raw.size != n * row_bytes:
-        raise ValueError(f"{type_name}: expected {n} rows of {row_bytes} bytes for a [{n}, {k}] tensor, "
-                         f"got {raw.size} bytes (shape {raw.shape})")
-    return raw.reshape(n, k // SUPER_BLOCK, BLOCK_BYTES[type_name])
+    return checked_rows(type_name, raw, n, k, SUPER_BLOCK, BLOCK_BYTES[type_name], "K-quant super-blocks")
 
 
 def _f16(field):

@@ -4,7 +4,8 @@ softmax, RoPE, and the KV cache store.
 Every kernel handles any length: unrolled steps of several 8-lane vectors,
 then single vectors, then one masked vector for the tail (VMASKMOVPS), so
 nothing beyond a row is read or written. ``stream`` emits that loop shape once
-for all of them; a kernel only says what one vector step does. Rows need not be
+for all of them; a kernel only says what one vector step does (``streaming_kernel``
+and ``row_kernel`` emit the function around it). Rows need not be
 32-byte aligned (unaligned loads cost nothing on aligned data), which is what
 lets row kernels take any row length.
 
@@ -87,68 +88,112 @@ def negative_zero():
     return Constant.float32x8(-0.0)
 
 
+# --------------------------------------------------------------------------- kernel skeletons
+
+def f32_kernel(isa, name, sig, body, types="f32"):
+    """Kernel ``name`` of C signature ``sig``: ``body(*arguments)`` emits its code up to the return."""
+    fn, args = function(symbol(name, types, "", isa), sig, isa)
+    with fn:
+        body(*args)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+
+
+def load_by_name(sig, args):
+    """The arguments by name: integers and pointers loaded into GP registers (in order), and
+    the float arguments themselves, for the caller to load as it needs them."""
+    integers = [(arg_name, arg) for (arg_name, ctype), arg in zip(sig, args) if ctype != "float"]
+    registers = dict(zip((arg_name for arg_name, _ in integers), load_arguments(arg for _, arg in integers)))
+    floats = {arg_name: arg for (arg_name, ctype), arg in zip(sig, args) if ctype == "float"}
+    return registers, floats
+
+
+def streaming_kernel(isa, name, sig, unroll, step):
+    """Kernel ``name`` over the ``n`` floats of its arrays (``n`` last in ``sig``): ``step(v,
+    **arguments)`` emits the work of one ``stream`` vector ``v``, given every other argument
+    by name: pointers in GP registers, floats broadcast to a ymm."""
+    def body(*args):
+        registers, floats = load_by_name(sig, args)
+        registers.update((arg_name, load_float_argument(arg)) for arg_name, arg in floats.items())
+        n = registers.pop(sig[-1][0])
+        index = GeneralPurposeRegister64()
+        XOR(index.as_dword, index.as_dword)
+        stream(n, [index], lambda v: step(v, **registers), unroll)
+    return f32_kernel(isa, name, sig, body)
+
+
+def row_kernel(isa, name, sig, row, prepare=None):
+    """Kernel ``name`` over ``rows`` rows of floats from ``x`` to ``out`` (the row length is the
+    argument after ``rows``): ``row(**values)`` emits one row's work, then x and out step to
+    the next row. ``values`` holds the integer and pointer arguments by name, in GP
+    registers, and what ``prepare(**values, **float_arguments)`` returns (run once, before
+    the loop: it loads the float arguments as it needs them)."""
+    def body(*args):
+        values, floats = load_by_name(sig, args)
+        if prepare is not None:
+            values.update(prepare(**values, **floats))
+        names = [arg_name for arg_name, _ in sig]
+        row_bytes = GeneralPurposeRegister64()
+        LEA(row_bytes, [values[names[names.index("rows") + 1]] * FLOAT_BYTES])
+        with Loop() as row_loop:
+            row(**values)
+            ADD(values["x"], row_bytes)
+            ADD(values["out"], row_bytes)
+            SUB(values["rows"], 1)
+            JNZ(row_loop.begin)
+    return f32_kernel(isa, name, sig, body)
+
+
 # --------------------------------------------------------------------------- elementwise
 
 def emit_add(isa):
     """out[i] = a[i] + b[i] for i < n."""
+    def step(v, a, b, out):
+        x, y = YMMRegister(), YMMRegister()
+        v.load(x, a)
+        v.load(y, b)
+        VADDPS(x, x, y)
+        v.store(out, x)
+
     sig = [("a", "const float*"), ("b", "const float*"), ("out", "float*"), ("n", "size_t")]
-    fn, args = function(symbol("add", "f32", "", isa), sig, isa)
-    with fn:
-        a, b, out, n = load_arguments(args)
-        index = GeneralPurposeRegister64()
-        XOR(index.as_dword, index.as_dword)
-
-        def step(v):
-            x, y = YMMRegister(), YMMRegister()
-            v.load(x, a)
-            v.load(y, b)
-            VADDPS(x, x, y)
-            v.store(out, x)
-
-        stream(n, [index], step, UNROLL_STREAMING)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return streaming_kernel(isa, "add", sig, UNROLL_STREAMING, step)
 
 
 def emit_scale(isa):
     """out[i] = x[i] * s for i < n."""
+    def step(v, x, s, out):
+        value = YMMRegister()
+        v.load(value, x)
+        VMULPS(value, value, s)
+        v.store(out, value)
+
     sig = [("x", "const float*"), ("s", "float"), ("out", "float*"), ("n", "size_t")]
-    fn, (x_arg, s_arg, out_arg, n_arg) = function(symbol("scale", "f32", "", isa), sig, isa)
-    with fn:
-        x, out, n = load_arguments((x_arg, out_arg, n_arg))
-        s = load_float_argument(s_arg)
-        index = GeneralPurposeRegister64()
-        XOR(index.as_dword, index.as_dword)
-
-        def step(v):
-            value = YMMRegister()
-            v.load(value, x)
-            VMULPS(value, value, s)
-            v.store(out, value)
-
-        stream(n, [index], step, UNROLL_STREAMING)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return streaming_kernel(isa, "scale", sig, UNROLL_STREAMING, step)
 
 
 def emit_exp(isa):
     """out[i] = exp(x[i]) for i < n: vmath.exp_ps as a kernel, so it can be tested on its own."""
+    def step(v, x, out):
+        value, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
+        v.load(value, x)
+        exp_ps(value, value, t1, t2)
+        v.store(out, value)
+
     sig = [("x", "const float*"), ("out", "float*"), ("n", "size_t")]
-    fn, args = function(symbol("exp", "f32", "", isa), sig, isa)
-    with fn:
-        x, out, n = load_arguments(args)
-        index = GeneralPurposeRegister64()
-        XOR(index.as_dword, index.as_dword)
+    return streaming_kernel(isa, "exp", sig, UNROLL_EXP, step)
 
-        def step(v):
-            value, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
-            v.load(value, x)
-            exp_ps(value, value, t1, t2)
-            v.store(out, value)
 
-        stream(n, [index], step, UNROLL_EXP)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+def store_gated(v, g, e, spare, up, out):
+    """out = g / (1 + e) * up for vector ``v``: both gates are g * sigmoid(something), and
+    ``e`` is exp(-something) (it is overwritten, and ``spare`` clobbered)."""
+    VADDPS(e, e, Constant.float32x8(1.0))
+    VDIVPS(e, g, e)
+    v.load(spare, up)
+    VMULPS(e, e, spare)
+    v.store(out, e)
+
+
+GATED_SIGNATURE = [("gate", "const float*"), ("up", "const float*"), ("out", "float*"), ("n", "size_t")]
 
 
 def emit_silu_mul(isa):
@@ -156,27 +201,14 @@ def emit_silu_mul(isa):
 
     The division is a real VDIVPS: exact, and cheaper than it looks next to
     exp. Very negative gates make exp(-g) inf, so the quotient is -0."""
-    sig = [("gate", "const float*"), ("up", "const float*"), ("out", "float*"), ("n", "size_t")]
-    fn, args = function(symbol("silu_mul", "f32", "", isa), sig, isa)
-    with fn:
-        gate, up, out, n = load_arguments(args)
-        index = GeneralPurposeRegister64()
-        XOR(index.as_dword, index.as_dword)
+    def step(v, gate, up, out):
+        g, e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+        v.load(g, gate)
+        VXORPS(e, g, negative_zero())                   # -g
+        exp_ps(e, e, t1, t2)
+        store_gated(v, g, e, t1, up, out)
 
-        def step(v):
-            g, e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
-            v.load(g, gate)
-            VXORPS(e, g, negative_zero())                   # -g
-            exp_ps(e, e, t1, t2)
-            VADDPS(e, e, Constant.float32x8(1.0))
-            VDIVPS(e, g, e)
-            v.load(t1, up)
-            VMULPS(e, e, t1)
-            v.store(out, e)
-
-        stream(n, [index], step, UNROLL_EXP)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return streaming_kernel(isa, "silu_mul", GATED_SIGNATURE, UNROLL_EXP, step)
 
 
 # GELU, tanh approximation (as llama.cpp's ggml_gelu and Gemma use):
@@ -198,61 +230,38 @@ def emit_gelu_mul(isa):
 
     Computed as gate / (1 + exp(-2y)) (see GELU_K1): huge positive gates give
     gate (exp(-2y) is 0, x^3 may be inf), huge negative ones -0, never NaN."""
-    sig = [("gate", "const float*"), ("up", "const float*"), ("out", "float*"), ("n", "size_t")]
-    fn, args = function(symbol("gelu_mul", "f32", "", isa), sig, isa)
-    with fn:
-        gate, up, out, n = load_arguments(args)
-        index = GeneralPurposeRegister64()
-        XOR(index.as_dword, index.as_dword)
+    def step(v, gate, up, out):
+        g, z, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+        v.load(z, gate)
+        VMOVAPS(g, Constant.float32x8(GELU_CLAMP))
+        VMAXPS(g, g, z)                                 # constant first: a NaN gate survives
+        VMULPS(z, g, g)
+        VMOVAPS(t1, Constant.float32x8(GELU_K1))
+        VFMADD132PS(z, t1, Constant.float32x8(GELU_K2))   # K2 x^2 + K1
+        VMULPS(z, z, g)                                 # -2y
+        exp_ps(z, z, t1, t2)
+        store_gated(v, g, z, t1, up, out)
 
-        def step(v):
-            g, z, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
-            v.load(z, gate)
-            VMOVAPS(g, Constant.float32x8(GELU_CLAMP))
-            VMAXPS(g, g, z)                                 # constant first: a NaN gate survives
-            VMULPS(z, g, g)
-            VMOVAPS(t1, Constant.float32x8(GELU_K1))
-            VFMADD132PS(z, t1, Constant.float32x8(GELU_K2))   # K2 x^2 + K1
-            VMULPS(z, z, g)                                 # -2y
-            exp_ps(z, z, t1, t2)
-            VADDPS(z, z, Constant.float32x8(1.0))
-            VDIVPS(z, g, z)
-            v.load(t1, up)
-            VMULPS(z, z, t1)
-            v.store(out, z)
-
-        stream(n, [index], step, UNROLL_EXP)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return streaming_kernel(isa, "gelu_mul", GATED_SIGNATURE, UNROLL_EXP, step)
 
 
 def emit_add_bias(isa):
     """out[r, :] = x[r, :] + bias[:] for each of ``rows`` rows of ``n`` floats (Q/K/V biases).
 
     out may be x: each element is read before it is written."""
+    def row(x, bias, out, rows, n):
+        def step(v):
+            value, b = YMMRegister(), YMMRegister()
+            v.load(value, x)
+            v.load(b, bias)
+            VADDPS(value, value, b)
+            v.store(out, value)
+
+        stream_row(n, step, UNROLL_STREAMING)
+
     sig = [("x", "const float*"), ("bias", "const float*"), ("out", "float*"), ("rows", "size_t"),
            ("n", "size_t")]
-    fn, args = function(symbol("add_bias", "f32", "", isa), sig, isa)
-    with fn:
-        x_row, bias, out_row, rows, n = load_arguments(args)
-        row_bytes = GeneralPurposeRegister64()
-        LEA(row_bytes, [n * FLOAT_BYTES])
-
-        with Loop() as row_loop:
-            def step(v):
-                value, b = YMMRegister(), YMMRegister()
-                v.load(value, x_row)
-                v.load(b, bias)
-                VADDPS(value, value, b)
-                v.store(out_row, value)
-
-            stream_row(n, step, UNROLL_STREAMING)
-            ADD(x_row, row_bytes)
-            ADD(out_row, row_bytes)
-            SUB(rows, 1)
-            JNZ(row_loop.begin)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return row_kernel(isa, "add_bias", sig, row)
 
 
 # --------------------------------------------------------------------------- RMSNorm
@@ -346,39 +355,31 @@ def emit_rmsnorm(isa):
 
     Two passes per row: the sum of squares (``sum_squares``), then the scaled
     output. Huge rows (|x| ~ 1e30) normalise like ordinary ones."""
-    sig = [("x", "const float*"), ("w", "const float*"), ("out", "float*"),
-           ("rows", "size_t"), ("d", "size_t"), ("eps", "float")]
-    fn, (x_arg, w_arg, out_arg, rows_arg, d_arg, eps_arg) = function(
-        symbol("rmsnorm", "f32", "", isa), sig, isa)
-    with fn:
-        x_row, w, out_row, rows, d = load_arguments((x_arg, w_arg, out_arg, rows_arg, d_arg))
-        eps = XMMRegister()
-        LOAD.ARGUMENT(eps, eps_arg)
-        VCVTSS2SD(eps, eps, eps)
+    def prepare(d, eps, **_):
+        eps_f64 = XMMRegister()
+        LOAD.ARGUMENT(eps_f64, eps)
+        VCVTSS2SD(eps_f64, eps_f64, eps_f64)
         d_f64 = XMMRegister()
         VXORPD(d_f64, d_f64, d_f64)
         VCVTSI2SD(d_f64, d_f64, d)
-        row_bytes = GeneralPurposeRegister64()
-        LEA(row_bytes, [d * FLOAT_BYTES])
+        return dict(eps_f64=eps_f64, d_f64=d_f64)
 
-        with Loop() as row_loop:
-            inv_rms = inverse_rms(sum_squares(x_row, d), d_f64, eps)
+    def row(x, w, out, rows, d, eps_f64, d_f64):
+        inv_rms = inverse_rms(sum_squares(x, d), d_f64, eps_f64)
 
-            def normalize(v):
-                value, weight = YMMRegister(), YMMRegister()
-                v.load(value, x_row)
-                v.load(weight, w)
-                VMULPS(value, value, inv_rms)
-                VMULPS(value, value, weight)
-                v.store(out_row, value)
+        def normalize(v):
+            value, weight = YMMRegister(), YMMRegister()
+            v.load(value, x)
+            v.load(weight, w)
+            VMULPS(value, value, inv_rms)
+            VMULPS(value, value, weight)
+            v.store(out, value)
 
-            stream_row(d, normalize, UNROLL_STREAMING)
-            ADD(x_row, row_bytes)
-            ADD(out_row, row_bytes)
-            SUB(rows, 1)
-            JNZ(row_loop.begin)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+        stream_row(d, normalize, UNROLL_STREAMING)
+
+    sig = [("x", "const float*"), ("w", "const float*"), ("out", "float*"),
+           ("rows", "size_t"), ("d", "size_t"), ("eps", "float")]
+    return row_kernel(isa, "rmsnorm", sig, row, prepare)
 
 
 # --------------------------------------------------------------------------- softmax
@@ -410,49 +411,39 @@ def emit_softmax(isa):
 
     Three passes: max; exp stored to out and summed; scale by 1/sum. out may
     be x: every pass reads an element before it writes it. -inf gives 0."""
+    def row(x, out, rows, n):
+        peak = row_max(x, n)
+        sums = [YMMRegister() for _ in range(UNROLL_EXP)]
+        for acc in sums:
+            VXORPS(acc, acc, acc)
+
+        def exponentiate(v):
+            e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
+            v.load(e, x)
+            VSUBPS(e, e, peak)
+            exp_ps(e, e, t1, t2)
+            v.store(out, e)
+            if v.mask is not None:
+                VANDPS(e, e, v.mask)                # unused lanes hold exp(-max)
+            VADDPS(sums[v.group], sums[v.group], e)
+
+        stream_row(n, exponentiate, UNROLL_EXP)
+        total = combine(VADDPS, sums)
+        fold_lanes(VADDPS, total)
+        inv_sum = YMMRegister()
+        VMOVAPS(inv_sum, Constant.float32x8(1.0))
+        VDIVPS(inv_sum, inv_sum, total)
+
+        def normalize(v):
+            value = YMMRegister()
+            v.load(value, out)
+            VMULPS(value, value, inv_sum)
+            v.store(out, value)
+
+        stream_row(n, normalize, UNROLL_STREAMING)
+
     sig = [("x", "const float*"), ("out", "float*"), ("rows", "size_t"), ("n", "size_t")]
-    fn, args = function(symbol("softmax", "f32", "", isa), sig, isa)
-    with fn:
-        x_row, out_row, rows, n = load_arguments(args)
-        row_bytes = GeneralPurposeRegister64()
-        LEA(row_bytes, [n * FLOAT_BYTES])
-
-        with Loop() as row_loop:
-            peak = row_max(x_row, n)
-            sums = [YMMRegister() for _ in range(UNROLL_EXP)]
-            for acc in sums:
-                VXORPS(acc, acc, acc)
-
-            def exponentiate(v):
-                e, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
-                v.load(e, x_row)
-                VSUBPS(e, e, peak)
-                exp_ps(e, e, t1, t2)
-                v.store(out_row, e)
-                if v.mask is not None:
-                    VANDPS(e, e, v.mask)                # unused lanes hold exp(-max)
-                VADDPS(sums[v.group], sums[v.group], e)
-
-            stream_row(n, exponentiate, UNROLL_EXP)
-            total = combine(VADDPS, sums)
-            fold_lanes(VADDPS, total)
-            inv_sum = YMMRegister()
-            VMOVAPS(inv_sum, Constant.float32x8(1.0))
-            VDIVPS(inv_sum, inv_sum, total)
-
-            def normalize(v):
-                value = YMMRegister()
-                v.load(value, out_row)
-                VMULPS(value, value, inv_sum)
-                v.store(out_row, value)
-
-            stream_row(n, normalize, UNROLL_STREAMING)
-            ADD(x_row, row_bytes)
-            ADD(out_row, row_bytes)
-            SUB(rows, 1)
-            JNZ(row_loop.begin)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=sig)
+    return row_kernel(isa, "softmax", sig, row)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -508,8 +499,7 @@ def emit_rope(isa, style):
 
     The tables (runtime.ref.elementwise.rope_tables) carry the signs, so both
     styles are this one formula and differ only in ``partner``."""
-    fn, args = function(symbol("rope", f"{style}_f32", "", isa), ROPE_SIGNATURE, isa)
-    with fn:
+    def body(*args):
         x_head, positions, cos_base, sin_base, out_head, m, n_heads, head_dim = load_arguments(args)
         head_bytes = GeneralPurposeRegister64()
         LEA(head_bytes, [head_dim * FLOAT_BYTES])
@@ -538,8 +528,7 @@ def emit_rope(isa, style):
             ADD(positions, 4)
             SUB(m, 1)
             JNZ(token_loop.begin)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=ROPE_SIGNATURE)
+    return f32_kernel(isa, "rope", ROPE_SIGNATURE, body, types=f"{style}_f32")
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -557,8 +546,7 @@ def emit_kv_store(isa):
     head_dim floats. The positions are read from memory on every call, so a
     plan stays valid as the model rewrites them; they are trusted to be in
     [0, n_ctx) (the binding checks them)."""
-    fn, args = function(symbol("kv_store", "f32", "", isa), KV_STORE_SIGNATURE, isa)
-    with fn:
+    def body(*args):
         src_token, positions, cache, m, n_heads, head_dim, src_stride, n_ctx = load_arguments(args)
         head_bytes = GeneralPurposeRegister64()
         LEA(head_bytes, [head_dim * FLOAT_BYTES])
@@ -589,8 +577,7 @@ def emit_kv_store(isa):
             ADD(positions, 4)
             SUB(m, 1)
             JNZ(token_loop.begin)
-        RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"{LANES}", args=KV_STORE_SIGNATURE)
+    return f32_kernel(isa, "kv_store", KV_STORE_SIGNATURE, body)
 
 
 def emit(isa):

@@ -76,19 +76,28 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, 
                             VMOVAPS, VMASKMOVPS, VINSERTI64X4, VINSERTI128, VSHUFF64X2, VBROADCASTI64X4, VEXTRACTF64X4,
                             PREFETCHT0)
 
-from .common import Kernel, function, symbol, tail_mask
+from .common import Kernel, function, tail_mask
 from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
-from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS
+from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS, qgemm_symbol
 YMM_COUNT = 16
 # Decode streams the weights once: prefetching 16 KiB ahead lifts a cold single-thread
 # GEMV from ~32 to ~43 GB/s, the machine's read-probe bandwidth (measured 4-64 KiB).
 PREFETCH_BYTES = 16384
 
 
+class QuantsAndScales:
+    """A kind whose weight is two arrays, quants and scales (the driver's default ``weights``)."""
+
+    @property
+    def weight_bytes(self):
+        """Bytes per block of one group of each weight array (the driver's strides)."""
+        return self.quant_bytes, self.scale_bytes
+
+
 @dataclass(frozen=True)
-class QuantKind:
+class QuantKind(QuantsAndScales):
     name: str
     quant_bytes: int      # per block of one group (8 rows)
     scale_bytes: int      # f16 scales (and mins) per block of one group
@@ -147,47 +156,71 @@ TILINGS = {"avx2": Tiling(full=(6,), groups=1, remainders=(1, 2, 3, 4, 5), exact
                             aliasing_kinds=("q4_1",))}
 
 
-def kernel_symbol(kind_name, isa="avx2"):
-    return symbol("qgemm", f"{kind_name}_q8", TILINGS[isa].name, isa)
-
-
 class Registers:
-    """The GP registers every part of the kernel shares (the AVX-512 kernel adds two)."""
+    """The GP registers every part of the kernel shares (the AVX-512 kernel adds two): one
+    pointer per weight array (``weights``: the family's), the activation pointers and the
+    loop state. Where the tiles do not read asum, ``act_sum`` is a dummy stack slot, which
+    the shared row walk (advance_rows) may step."""
 
-    def __init__(self, paired):
-        names = ["wq", "wscale", "act", "act_scale", "act_sum", "out_row", "groups_left_cols",
-                 "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]
+    def __init__(self, paired, weights=("wq", "wscale"), reads_asum=True):
+        self.weights, self.reads_asum = weights, reads_asum
+        if not reads_asum:
+            self.act_sum = LocalVariable(8)
+        names = list(weights) + ["act", "act_scale"] + (["act_sum"] if reads_asum else []) + [
+            "out_row", "groups_left_cols", "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]
         if paired:
             # offsets from group g's quants / scales to group g + 1's (0 for a lone last group)
             names += ["pair_quants", "pair_scales"]
         for name in names:
             setattr(self, name, GeneralPurposeRegister64())
 
+    def weight_strides(self, kind):
+        """(pointer, bytes per block of one group) of each weight array, in argument order."""
+        return tuple(zip((getattr(self, name) for name in self.weights), kind.weight_bytes))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family of quant kinds brings to the one driver: its C signature (a pointer per
+    weight array, then aq, ad, asum, out, m, n, kb, ldo), the registers that hold those
+    pointers (``weights``), its tile emitters and Tilings by ISA, whether its tiles read
+    ``asum``, and ``frame(r, kind, isa)``, which gives the tiles stack slots they share (or None).
+    Its kinds give ``weight_bytes``: each weight array's bytes per block of one group."""
+    signature: list
+    tiles: dict
+    tilings: dict
+    weights: tuple = ("wq", "wscale")
+    reads_asum: bool = True
+    frame: object = None
+
 
 # --------------------------------------------------------------------------- driver (both ISAs)
 
-def emit_qgemm(kind, isa, tiles=None):
-    """The kernel of ``kind`` for ``isa``; ``tiles`` maps an ISA to another tile emitter
-    (codegen/qgemm_kquant.py's, which walk super-blocks) on this driver."""
-    tiling = TILINGS[isa]
-    if isa == "avx2":
-        open_function, emit_tile = function, emit_tile_avx2
-    else:
-        open_function, emit_tile = upper_zmm_function, emit_tile_avx512
-    if tiles is not None:
-        emit_tile = tiles[isa]
-    fn, args = open_function(kernel_symbol(kind.name, isa), SIGNATURE, isa)
-    a_wq, a_wscale, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
+def emit_qgemm(kind, isa, family=None):
+    """The kernel of ``kind`` for ``isa`` on the tiles of ``family`` (default: this module's;
+    codegen/qgemm_kquant.py's walk super-blocks, codegen/qgemm_k16.py's add a third weight array)."""
+    family = family or FAMILY
+    tiling = family.tilings[isa]
+    open_function = function if isa == "avx2" else upper_zmm_function
+    emit_tile = family.tiles[isa]
+    fn, args = open_function(qgemm_symbol(kind.name, tiling.name, isa), family.signature, isa)
+    weight_args, (a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo) = (args[:len(family.weights)],
+                                                                       args[len(family.weights):])
     with fn:
-        r = Registers(paired=tiling.groups > 1)
+        r = Registers(paired=tiling.groups > 1, weights=family.weights, reads_asum=family.reads_asum)
         # loaded once per row group; kept in the stack frame to spare registers
-        act_base, scale_base, sum_base, m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(6))
-        LOAD.ARGUMENT(r.wq, a_wq)
-        LOAD.ARGUMENT(r.wscale, a_wscale)
+        act_base, scale_base = LocalVariable(8), LocalVariable(8)
+        sum_base = LocalVariable(8) if family.reads_asum else None
+        m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(3))
+        if family.frame is not None:
+            family.frame(r, kind, isa)
+        for name, arg in zip(family.weights, weight_args):
+            LOAD.ARGUMENT(getattr(r, name), arg)
         for local, arg in ((act_base, a_aq), (scale_base, a_ad), (sum_base, a_asum), (m_rows, a_m),
                            (out_group, a_out)):
-            LOAD.ARGUMENT(r.spare, arg)
-            MOV(local, r.spare)
+            if local is not None:
+                LOAD.ARGUMENT(r.spare, arg)
+                MOV(local, r.spare)
         LOAD.ARGUMENT(r.spare, a_ldo)
         SHL(r.spare, 2)
         MOV(ldo_bytes, r.spare)
@@ -200,7 +233,8 @@ def emit_qgemm(kind, isa, tiles=None):
         with Loop() as groups:
             MOV(r.act, act_base)
             MOV(r.act_scale, scale_base)
-            MOV(r.act_sum, sum_base)
+            if family.reads_asum:
+                MOV(r.act_sum, sum_base)
             MOV(r.out_row, out_group)
             MOV(r.rows_left, m_rows)
             if tiling.groups > 1:
@@ -216,15 +250,14 @@ def emit_qgemm(kind, isa, tiles=None):
                     LABEL(smaller_tiles)
             emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes)
 
-            multiply(r.spare, r.scale_stride, kind.quant_bytes // 4 * tiling.groups)
-            ADD(r.wq, r.spare)
-            multiply(r.spare, r.scale_stride, kind.scale_bytes // 4 * tiling.groups)
-            ADD(r.wscale, r.spare)
+            for pointer, per_block in r.weight_strides(kind):
+                per_block_bytes(r.spare, r.scale_stride, per_block * tiling.groups)
+                ADD(pointer, r.spare)
             ADD(out_group, tiling.columns * 4)
             SUB(r.groups_left_cols, tiling.columns)
             JG(groups.begin)
         RETURN()
-    return Kernel(fn, "qgemm", isa, tile=tiling.name, args=SIGNATURE)
+    return Kernel(fn, "qgemm", isa, tile=tiling.name, args=family.signature)
 
 
 def emit_full_tiles(r, kind, rows, emit_tile, ldo_bytes):
@@ -283,6 +316,23 @@ def multiply(target, source, factor):
         raise ValueError(f"multiply: {factor} is neither a power of two nor below 128")
 
 
+def per_block_bytes(target, scale_stride, per_block):
+    """target = kb * per_block from scale_stride = 4 kb (per_block: an integer, or a power-of-two
+    fraction: a value per super-block spread over its blocks)."""
+    if per_block == int(per_block) and int(per_block) % 4 == 0:
+        multiply(target, scale_stride, int(per_block) // 4)
+    else:
+        MOV(target, scale_stride)
+        SHR(target, 2)                  # kb
+        factor = int(per_block * 8)     # per_block = factor / 8 (super-block values)
+        assert factor * 8 == per_block * 64 and factor & (factor - 1) == 0, per_block
+        shift = factor.bit_length() - 1 - 3
+        if shift > 0:
+            SHL(target, shift)
+        elif shift < 0:
+            SHR(target, -shift)
+
+
 def advance_blocks(r, kind):
     ADD(r.act, BLOCK)
     ADD(r.act_scale, 4)
@@ -291,15 +341,30 @@ def advance_blocks(r, kind):
     ADD(r.wscale, kind.scale_bytes)
 
 
+def count_blocks(r, per_step=1):
+    """blocks_left = the block loop's steps: kb / ``per_step`` (a power of two; scale_stride is 4 kb)."""
+    MOV(r.blocks_left, r.scale_stride)
+    SHR(r.blocks_left, 2 + per_step.bit_length() - 1)
+
+
+def prefetch_quants(r, kind, pair=False):
+    """Only the decode path streams (bigger tiles re-read the group from L1): the block's
+    quants PREFETCH_BYTES ahead, of group g + 1 too with ``pair``."""
+    for line in range(0, kind.quant_bytes, 64):
+        PREFETCHT0([r.wq + PREFETCH_BYTES + line])
+        if pair:
+            PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line])
+
+
 def rewind_blocks(r, kind):
     """Undo the block loop's pointer walk (k bytes of activations, kb blocks of weights)."""
     SUB(r.act, r.row_stride)
     SUB(r.act_scale, r.scale_stride)
-    SUB(r.act_sum, r.scale_stride)
-    multiply(r.spare, r.scale_stride, kind.quant_bytes // 4)
-    SUB(r.wq, r.spare)
-    multiply(r.spare, r.scale_stride, kind.scale_bytes // 4)
-    SUB(r.wscale, r.spare)
+    if r.reads_asum:
+        SUB(r.act_sum, r.scale_stride)
+    for pointer, per_block in r.weight_strides(kind):
+        per_block_bytes(r.spare, r.scale_stride, per_block)
+        SUB(pointer, r.spare)
 
 
 # --------------------------------------------------------------------------- AVX2 tile
@@ -393,6 +458,20 @@ def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod, offset=0):
         VFMADD231PS(facc[i][-1], m_w, prod)
 
 
+def place_constants(target, wanted, spare, floats=()):
+    """Each vector constant of ``wanted`` (name -> Constant, most used first) as an attribute of
+    ``target``: in a fresh ymm while ``spare`` registers are left, else the RIP-relative memory
+    operand. ``floats`` name the f32 ones (loaded with vmovaps, the rest with vmovdqa).
+    Returns the registers still spare."""
+    for name, constant in wanted.items():
+        if spare > 0:
+            register = YMMRegister()
+            (VMOVAPS if name in floats else VMOVDQA)(register, constant)
+            constant, spare = register, spare - 1
+        setattr(target, name, constant)
+    return spare
+
+
 class TileConstants:
     """The vector constants of the block loop: in registers when the tile leaves some free
     (a memory operand costs a load per use: 10 -> 12.7 cycles a block in the decode GEMV),
@@ -405,12 +484,7 @@ class TileConstants:
         wanted = {"nibble": Constant.uint32x8(0x0F0F0F0F), "ones": Constant.uint16x16(1)}
         if kind is not Q4_1:
             del wanted["nibble"]
-        for name, constant in wanted.items():
-            if spare > 0:
-                register = YMMRegister()
-                VMOVDQA(register, constant)
-                constant, spare = register, spare - 1
-            setattr(self, name, constant)
+        spare = place_constants(self, wanted, spare)
         self.accumulators_per_row = 2 if kind.has_min and spare >= rows else 1
 
 
@@ -421,13 +495,10 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     for pair in facc:
         for f in pair:
             VXORPS(f, f, f)
-    MOV(r.blocks_left, r.scale_stride)
-    SHR(r.blocks_left, 2)
+    count_blocks(r)
     with Loop() as blocks:
         if rows == 1:
-            # only the decode path streams; bigger tiles re-read the group from L1
-            for line in range(0, kind.quant_bytes, 64):
-                PREFETCHT0([r.wq + PREFETCH_BYTES + line])
+            prefetch_quants(r, kind)
         acc = [YMMRegister() for _ in range(rows)]
         if kind in FIVE_BIT:
             emit_block_q5(r, kind, consts, acc, facc)
@@ -586,15 +657,12 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         masks = Q5Masks(r, kind)
     else:
         constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
-    MOV(r.blocks_left, r.scale_stride)
-    SHR(r.blocks_left, 2)
+    count_blocks(r)
     with Loop() as blocks:
         if rows <= 2 and kind in FIVE_BIT:
             # five-bit kinds decode (m < 4) on these tiles too (runtime/native/quant.py): stream
             # both groups (m = 3 prefetches twice, the 1-row tile's lines already cached)
-            for line in range(0, kind.quant_bytes, 64):
-                PREFETCHT0([r.wq + PREFETCH_BYTES + line])
-                PREFETCHT0([r.wq + r.pair_quants * 1 + PREFETCH_BYTES + line])
+            prefetch_quants(r, kind, pair=True)
         if kind in FIVE_BIT:
             weights, d_w, m_w = load_block_q5(r, kind, masks)
         elif kind is Q4_1:
@@ -689,12 +757,7 @@ class Q5TileConstants:
                   "high3": Constant.uint32x8(HIGH3), "low2": Constant.uint32x8(LOW2)}
         if kind.min_per_scale:
             wanted["min_per_scale"] = Constant.float32x8(kind.min_per_scale)
-        for name, constant in wanted.items():
-            if spare > 0:
-                register = YMMRegister()
-                (VMOVAPS if name == "min_per_scale" else VMOVDQA)(register, constant)
-                constant, spare = register, spare - 1
-            setattr(self, name, constant)
+        spare = place_constants(self, wanted, spare, floats=("min_per_scale",))
         self.low_bits = None
         if spare > 0:
             self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
@@ -816,6 +879,9 @@ def load_block_q5(r, kind, masks):
 def _f32_bits(value):
     import struct
     return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS)
 
 
 def emit(isa):

@@ -40,18 +40,16 @@ AVX-512 VNNI: see the section below.
 from dataclasses import dataclass
 
 from peachpy import Constant
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            LocalVariable, ADD, SUB, MOV, SHL, SHR, TEST, CMP, JA, JG, JNZ, XOR, VMOVDQA, VMOVDQU,
-                            VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD, VPERMI2D, VPMOVZXWD,
-                            VINSERTI128, VPERM2I128, VPSHUFD, VPSUBB, VPXOR, VMOVUPS,
+from peachpy.x86_64 import (YMMRegister, ZMMRegister, Loop, Label, LABEL, LocalVariable, ADD, SUB, MOV, SHR, TEST,
+                            JNZ, XOR, VMOVDQA, VMOVDQU, VPANDD, VPORD, VPSUBD, VPSRLD, VPMOVSXBD, VPMOVZXBD,
+                            VPERMI2D, VPMOVZXWD, VINSERTI128, VPERM2I128, VPSHUFD, VPSUBB, VPXOR, VMOVUPS,
                             VPSRLW, VPAND, VPOR, VPBROADCASTD, VPMADDUBSW, VPADDW, VPSUBW, VPMADDWD,
                             VPADDD, VPMOVSXBW, VPMOVZXBW, VPSHUFB, VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS,
-                            VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS, PREFETCHT0)
+                            VMULPS, VFMADD231PS, VFNMADD231PS, VXORPS)
 
 from . import qgemm
-from .common import Kernel, function
-from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
-from .contract import BLOCK, CHUNK, GROUP, SUPER_BLOCK, QGEMM_KIND_TILES, qgemm_symbol
+from .peachpy_ext import VPDPBUSD, broadcast
+from .contract import BLOCK, CHUNK, GROUP, SUPER_BLOCK, QGEMM_KIND_TILES
 
 ISAS = ("avx2", "avx512")
 YMM_COUNT = 16
@@ -77,6 +75,11 @@ class K16Kind:
     def row_registers(self):
         return 3          # f32 total and the two sub-blocks' int16 sums
 
+    @property
+    def weight_bytes(self):
+        """Bytes per block of one group of each weight array (the super-block scales': a fraction)."""
+        return self.quant_bytes, self.scale_bytes, self.super_bytes / BLOCKS_PER_SUPER
+
 
 Q6_K = K16Kind("q6_k", quant_bytes=2 * 3 * GROUP * CHUNK, super_bytes=GROUP * 2, offset=32, has_min=False,
                signed_scales=True)
@@ -89,10 +92,6 @@ KINDS = (Q6_K, Q3_K, Q2_K)
 SIGNATURE = [("wq", "const uint8_t*"), ("wsc", "const uint8_t*"), ("wd", "const uint16_t*"),
              ("aq", "const int8_t*"), ("ad", "const float*"), ("asum", "const float*"), ("out", "float*"),
              ("m", "size_t"), ("n", "size_t"), ("kb", "size_t"), ("ldo", "size_t")]
-
-
-def kernel_symbol(kind, isa="avx2"):
-    return qgemm_symbol(kind.name, QGEMM_KIND_TILES[kind.name][isa], isa)
 
 
 def _bytes(*values):
@@ -109,99 +108,17 @@ def _splat(byte):
     return Constant.uint32x8(byte * 0x01010101)
 
 
-class Registers:
-    """qgemm.Registers' names (its tile loops use them) plus the super-block scale pointer."""
+# --------------------------------------------------------------------------- driver hooks
 
-    def __init__(self, paired=False):
-        names = ["wq", "wscale", "wd", "act", "act_scale", "out_row", "groups_left_cols",
-                 "rows_left", "blocks_left", "row_stride", "scale_stride", "spare"]
-        # these kernels do not read asum, but qgemm.advance_rows steps it: a dummy in the frame
-        self.act_sum = LocalVariable(8)
-        if paired:
-            # offsets from group g's quants / scales to group g + 1's (0 for a lone last group);
-            # its super-block scales are pair_scales / (scale_bytes * 8 / super_bytes) further
-            names += ["pair_quants", "pair_scales"]
-        for name in names:
-            setattr(self, name, GeneralPurposeRegister64())
-
-
-# --------------------------------------------------------------------------- driver
-
-def emit_qgemm(kind, isa):
-    if isa == "avx2":
-        rows = kind.max_rows
-        tiling = qgemm.Tiling(full=(rows,), groups=1, remainders=tuple(range(1, rows)), exact=True)
-        fn, args = function(kernel_symbol(kind, isa), SIGNATURE, isa)
-        tile, vector_bytes = emit_tile, 32
-    else:
-        tiling = AVX512_TILING
-        fn, args = upper_zmm_function(kernel_symbol(kind, isa), SIGNATURE, isa)
-        tile, vector_bytes = emit_tile_avx512, 64
-    a_wq, a_wsc, a_wd, a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo = args
-    with fn:
-        r = Registers(paired=tiling.groups > 1)
-        act_base, scale_base, m_rows, ldo_bytes, out_group = (LocalVariable(8) for _ in range(5))
-        # the block's sub-block scales, s_0 and s_1 (Q2_K: then m_0 and m_1): vpmaddwd operands
-        # (AVX2: int16 pairs), or f32 multipliers (AVX-512)
-        r.scales = [LocalVariable(vector_bytes, alignment=16) for _ in range(4 if kind.has_min else 2)]
-        r.dmin = LocalVariable(64, alignment=16)         # AVX-512 Q2_K: the block's dmin per column
-        # AVX-512 Q6_K / Q3_K: an activation row's block biased by 128 (two, for alternate rows)
-        r.biased = [LocalVariable(BLOCK, alignment=16) for _ in range(2)]
-        LOAD.ARGUMENT(r.wq, a_wq)
-        LOAD.ARGUMENT(r.wscale, a_wsc)
-        LOAD.ARGUMENT(r.wd, a_wd)
-        for local, arg in ((act_base, a_aq), (scale_base, a_ad), (m_rows, a_m), (out_group, a_out)):
-            LOAD.ARGUMENT(r.spare, arg)
-            MOV(local, r.spare)
-        LOAD.ARGUMENT(r.spare, a_ldo)
-        SHL(r.spare, 2)
-        MOV(ldo_bytes, r.spare)
-        LOAD.ARGUMENT(r.groups_left_cols, a_n)
-        LOAD.ARGUMENT(r.scale_stride, a_kb)
-        MOV(r.row_stride, r.scale_stride)
-        SHL(r.row_stride, 5)           # k bytes per activation row
-        SHL(r.scale_stride, 2)         # kb floats per activation scale row
-
-        with Loop() as groups:
-            MOV(r.act, act_base)
-            MOV(r.act_scale, scale_base)
-            MOV(r.out_row, out_group)
-            MOV(r.rows_left, m_rows)
-            if tiling.groups > 1:
-                set_pair_offsets(r, kind)
-            for i, rows in enumerate(tiling.full):
-                qgemm.emit_full_tiles(r, kind, rows, tile, ldo_bytes)
-            qgemm.emit_remainder_tiles(r, kind, tiling, tile, ldo_bytes)
-            for register, per_block in group_strides(kind):
-                per_block_bytes(r.spare, r.scale_stride, per_block * tiling.groups)
-                ADD(register(r), r.spare)
-            ADD(out_group, tiling.columns * 4)
-            SUB(r.groups_left_cols, tiling.columns)
-            JG(groups.begin)
-        RETURN()
-    return Kernel(fn, "qgemm", isa, tile=QGEMM_KIND_TILES[kind.name][isa], args=SIGNATURE)
-
-
-def group_strides(kind):
-    """(pointer, bytes per block of one group) of each weight array."""
-    return ((lambda r: r.wq, kind.quant_bytes), (lambda r: r.wscale, kind.scale_bytes),
-            (lambda r: r.wd, kind.super_bytes / BLOCKS_PER_SUPER))
-
-
-def per_block_bytes(target, scale_stride, per_block):
-    """target = kb * per_block from scale_stride = 4 kb (per_block: an integer, or a power-of-two fraction)."""
-    if per_block == int(per_block) and int(per_block) % 4 == 0:
-        qgemm.multiply(target, scale_stride, int(per_block) // 4)
-    else:
-        MOV(target, scale_stride)
-        SHR(target, 2)                  # kb
-        factor = int(per_block * 8)     # per_block = factor / 8 (super-block values)
-        assert factor * 8 == per_block * 64 and factor & (factor - 1) == 0, per_block
-        shift = factor.bit_length() - 1 - 3
-        if shift > 0:
-            SHL(target, shift)
-        elif shift < 0:
-            SHR(target, -shift)
+def frame(r, kind, isa):
+    """The stack slots the tiles share (qgemm.Family.frame)."""
+    # the block's sub-block scales, s_0 and s_1 (Q2_K: then m_0 and m_1): vpmaddwd operands
+    # (AVX2: int16 pairs, a ymm each), or f32 multipliers (AVX-512: a zmm each)
+    vector_bytes = 32 if isa == "avx2" else 64
+    r.scales = [LocalVariable(vector_bytes, alignment=16) for _ in range(4 if kind.has_min else 2)]
+    r.dmin = LocalVariable(64, alignment=16)         # AVX-512 Q2_K: the block's dmin per column
+    # AVX-512 Q6_K / Q3_K: an activation row's block biased by 128 (two, for alternate rows)
+    r.biased = [LocalVariable(BLOCK, alignment=16) for _ in range(2)]
 
 
 def advance_block(r, kind):
@@ -219,15 +136,6 @@ def advance_block(r, kind):
     LABEL(same_super)
 
 
-def rewind_blocks(r, kind):
-    """Undo the block loop's pointer walk (k bytes of activations, kb blocks of weights)."""
-    SUB(r.act, r.row_stride)
-    SUB(r.act_scale, r.scale_stride)
-    for register, per_block in group_strides(kind):
-        per_block_bytes(r.spare, r.scale_stride, per_block)
-        SUB(register(r), r.spare)
-
-
 # --------------------------------------------------------------------------- tile
 
 class TileConstants:
@@ -241,12 +149,7 @@ class TileConstants:
         wanted = ({"q6_k": {"low6": _splat(0x3F), "top2": _splat(0xC0)},
                        "q3_k": {"low3": _splat(0x07), "bits37": _splat(0x88)},
                        "q2_k": {"low2": _splat(0x03), "nibble": Constant.uint16x16(0x0F)}}[kind.name])
-        for name, constant in wanted.items():
-            if spare > 0:
-                register = YMMRegister()
-                VMOVDQA(register, constant)
-                constant, spare = register, spare - 1
-            setattr(self, name, constant)
+        spare = qgemm.place_constants(self, wanted, spare)
         # the block's unpacked scales stay in registers if they fit (else in the stack frame)
         self.scales_in_registers = spare >= (4 if kind.has_min else 2)
 
@@ -270,18 +173,15 @@ def emit_tile(r, kind, rows, ldo_bytes, name):
     totals = [YMMRegister() for _ in range(rows)]
     for total in totals:
         VXORPS(total, total, total)
-    MOV(r.blocks_left, r.scale_stride)
-    SHR(r.blocks_left, 2)
+    qgemm.count_blocks(r)
     with Loop() as blocks:
         if rows == 1:
-            # only the decode path streams; bigger tiles re-read the group from L1
-            for line in range(0, kind.quant_bytes, 64):
-                PREFETCHT0([r.wq + qgemm.PREFETCH_BYTES + line])
+            qgemm.prefetch_quants(r, kind)
         emit_block(r, kind, consts, totals)
         advance_block(r, kind)
         TEST(r.blocks_left, r.blocks_left)
         JNZ(blocks.begin)
-    rewind_blocks(r, kind)
+    qgemm.rewind_blocks(r, kind)
     qgemm.store_tile_avx2(r, totals, ldo_bytes, name)
 
 
@@ -315,22 +215,24 @@ def unpack_scales(r, kind, consts):
     return unpacked
 
 
+def gather_planes(r, mask, base, shift):
+    """The bits ``mask`` keeps of the three planes at ``base`` (bytes into the block), plane p
+    shifted right by (3 - p) * ``shift``, OR-ed into one register: the chunk(s) whose bits the
+    planes share."""
+    gathered, part = YMMRegister(), YMMRegister()
+    for p in range(3):
+        masked_load(gathered if p == 0 else part, mask, r.wq + base + 32 * p)
+        if p > 0:
+            VPOR(gathered, gathered, part)
+        VPSRLW(gathered, gathered, shift)
+    return gathered
+
+
 def chunks_q6_k(r, consts, half):
     """Yield the 4 chunks of sub-block ``half`` (registers of 32 unsigned bytes), the last one first:
     its bits lie in the top 2 bits of the three planes."""
     base = 96 * half
-    last, part = YMMRegister(), YMMRegister()
-    for p in range(3):
-        target = last if p == 0 else part
-        if isinstance(consts.top2, YMMRegister):
-            VPAND(target, consts.top2, [r.wq + base + 32 * p])
-        else:
-            VMOVDQA(target, [r.wq + base + 32 * p])
-            VPAND(target, target, consts.top2)
-        if p > 0:
-            VPOR(last, last, part)
-        VPSRLW(last, last, 2)
-    yield last
+    yield gather_planes(r, consts.top2, base, 2)
     for p in range(3):
         chunk = YMMRegister()
         masked_load(chunk, consts.low6, r.wq + base + 32 * p)
@@ -354,13 +256,7 @@ def chunks_q3_k(r, consts, half):
         masked(chunk, consts.low3)
         yield chunk
     if half == 1:
-        gathered, part = YMMRegister(), YMMRegister()
-        for p in range(3):
-            target = gathered if p == 0 else part
-            masked_load(target, consts.bits37, r.wq + 32 * p)
-            if p > 0:
-                VPOR(gathered, gathered, part)
-            VPSRLW(gathered, gathered, 1)
+        gathered = gather_planes(r, consts.bits37, 0, 1)
         chunk = YMMRegister()
         VPAND(chunk, gathered, consts.low3)
         yield chunk
@@ -469,10 +365,6 @@ def emit_block_scale(r, kind, blocks, mins, totals):
         VFNMADD231PS(total, mins[i], factor)
 
 
-def emit(isa):
-    return [emit_qgemm(kind, isa) for kind in KINDS]
-
-
 # --------------------------------------------------------------------------- AVX-512 (VNNI)
 #
 # As codegen/qgemm.py's AVX-512 kernel: one zmm holds a chunk of two row groups (g's 32
@@ -493,18 +385,6 @@ AVX512_TILING = qgemm.Tiling(full=(16, 8), groups=2, remainders=(4, 2, 1), exact
 # stores use 32-byte ones): the even / odd dwords of two tables
 EVEN_DWORDS = Constant.uint16x16(*range(0, 32, 2))
 ODD_DWORDS = Constant.uint16x16(*range(1, 32, 2))
-
-
-def set_pair_offsets(r, kind):
-    """Group g + 1 is kb blocks after group g; a lone last group pairs with itself."""
-    paired = Label("paired")
-    qgemm.multiply(r.pair_quants, r.scale_stride, kind.quant_bytes // 4)
-    qgemm.multiply(r.pair_scales, r.scale_stride, kind.scale_bytes // 4)
-    CMP(r.groups_left_cols, GROUP)
-    JA(paired)
-    XOR(r.pair_quants, r.pair_quants)
-    XOR(r.pair_scales, r.pair_scales)
-    LABEL(paired)
 
 
 def pair_super_offset(r, kind):
@@ -555,36 +435,41 @@ def super_scales_avx512(r, kind, field):
     return values
 
 
+def load_planes_avx512(r, base):
+    """The three planes at ``base`` (bytes into the block) of both groups."""
+    planes = [ZMMRegister() for _ in range(3)]
+    for p, plane in enumerate(planes):
+        qgemm.load_pair(r, plane, base + 32 * p)
+    return planes
+
+
+def gather_planes_avx512(planes, mask, shift):
+    """gather_planes on planes in registers (which it leaves as they are)."""
+    gathered, part = ZMMRegister(), ZMMRegister()
+    for p, plane in enumerate(planes):
+        VPANDD(gathered if p == 0 else part, plane, mask)
+        if p > 0:
+            VPORD(gathered, gathered, part)
+        VPSRLW(gathered, gathered, shift)
+    return gathered
+
+
 def chunks_avx512(r, kind):
     """The block's 8 chunks of both groups (zmm), in chunk order."""
     if kind is Q6_K:
         top2, low6 = broadcast_constant_zmm(r, 0xC0, True), broadcast_constant_zmm(r, 0x3F, True)
         chunks = []
         for half in range(2):
-            planes = [ZMMRegister() for _ in range(3)]
-            for p, plane in enumerate(planes):
-                qgemm.load_pair(r, plane, 96 * half + 32 * p)
-            last, part = ZMMRegister(), ZMMRegister()
-            for p, plane in enumerate(planes):
-                VPANDD(last if p == 0 else part, plane, top2)
-                if p > 0:
-                    VPORD(last, last, part)
-                VPSRLW(last, last, 2)
+            planes = load_planes_avx512(r, 96 * half)
+            last = gather_planes_avx512(planes, top2, 2)
             for plane in planes:
                 VPANDD(plane, plane, low6)
             chunks += planes + [last]
         return chunks
     if kind is Q3_K:
         bits37, low3 = broadcast_constant_zmm(r, 0x88, True), broadcast_constant_zmm(r, 0x07, True)
-        planes = [ZMMRegister() for _ in range(3)]
-        for p, plane in enumerate(planes):
-            qgemm.load_pair(r, plane, 32 * p)
-        gathered, part = ZMMRegister(), ZMMRegister()
-        for p, plane in enumerate(planes):
-            VPANDD(gathered if p == 0 else part, plane, bits37)
-            if p > 0:
-                VPORD(gathered, gathered, part)
-            VPSRLW(gathered, gathered, 1)
+        planes = load_planes_avx512(r, 0)
+        gathered = gather_planes_avx512(planes, bits37, 1)
         six = ZMMRegister()
         VPANDD(six, gathered, low3)
         VPSRLW(gathered, gathered, 4)
@@ -691,8 +576,7 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
     totals = qgemm.TOTALS[:rows]
     for total in totals:
         qgemm.zero(total)
-    MOV(r.blocks_left, r.scale_stride)
-    SHR(r.blocks_left, 2)
+    qgemm.count_blocks(r)
     with Loop() as blocks:
         unpack_scales_avx512(r, kind)
         d_w = super_scales_avx512(r, kind, 0)
@@ -714,5 +598,18 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         advance_block(r, kind)
         TEST(r.blocks_left, r.blocks_left)
         JNZ(blocks.begin)
-    rewind_blocks(r, kind)
+    qgemm.rewind_blocks(r, kind)
     qgemm.store_tile_avx512(r, totals, ldo_bytes, name)
+
+
+def family(kind):
+    """The qgemm driver's view of ``kind``'s kernels: this module's tiles, three weight arrays, no asum."""
+    rows = kind.max_rows
+    tilings = {"avx2": qgemm.Tiling(full=(rows,), groups=1, remainders=tuple(range(1, rows)), exact=True),
+               "avx512": AVX512_TILING}
+    return qgemm.Family(SIGNATURE, tiles={"avx2": emit_tile, "avx512": emit_tile_avx512}, tilings=tilings,
+                        weights=("wq", "wscale", "wd"), reads_asum=False, frame=frame)
+
+
+def emit(isa):
+    return [qgemm.emit_qgemm(kind, isa, family(kind)) for kind in KINDS]

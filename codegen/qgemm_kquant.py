@@ -48,7 +48,7 @@ not depend on the other rows of its batch.
 from dataclasses import dataclass
 
 from peachpy import Constant
-from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SUB, SHR, MOV, XOR, JNZ,
+from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SUB, XOR, JNZ,
                             VMOVDQA, VMOVDQU, VMOVQ, VPINSRQ, VPSRLW, VPSLLW, VPAND, VPOR, VPANDD, VPTERNLOGD,
                             VPBROADCASTD, VPMADDUBSW, VPADDW, VPMADDWD, VPADDD, VPMOVZXBD, VCVTDQ2PS,
                             VCVTPH2PS, VMULPS, VFMADD231PS, VXORPS, VINSERTI128, PREFETCHT0)
@@ -56,9 +56,9 @@ from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SU
 from .peachpy_ext import VPDPBUSD, broadcast
 from .contract import (BLOCK, CHUNK, GROUP, KQ_SUB_BLOCKS, KQ_MINS_OFFSET, KQ_BLOCK_SCALES_OFFSET,
                        KQ_BLOCK_SCALES_BYTES, KQ_SCALE_RECORD)
-from .qgemm import (PREFETCH_BYTES, YMM_COUNT, RowAddresses, TOTALS, NIBBLE_BYTES, emit_qgemm, emit_block_scale,
-                    store_tile_avx2, store_tile_avx512, rewind_blocks, broadcast_constant, load_pair, zero,
-                    emit_row_q4_1)
+from .qgemm import (PREFETCH_BYTES, YMM_COUNT, SIGNATURE, TILINGS, Family, QuantsAndScales, RowAddresses, TOTALS,
+                    NIBBLE_BYTES, emit_qgemm, place_constants, count_blocks, emit_block_scale, store_tile_avx2,
+                    store_tile_avx512, rewind_blocks, broadcast_constant, load_pair, zero, emit_row_q4_1)
 
 ISAS = ("avx2", "avx512")
 NIBBLE_CHUNKS = BLOCK // 2 // CHUNK          # 4 chunks of nibbles per block
@@ -69,7 +69,7 @@ LINE = 64
 
 
 @dataclass(frozen=True)
-class KQuantKind:
+class KQuantKind(QuantsAndScales):
     name: str
     quant_bytes: int      # per block of one group (8 rows): nibbles (+ high bits)
     five_bit: bool
@@ -108,11 +108,6 @@ def advance_block(r, kind, blocks=1):
     ADD(r.wq, kind.quant_bytes * blocks)
 
 
-def start_super_blocks(r):
-    MOV(r.blocks_left, r.scale_stride)
-    SHR(r.blocks_left, 2 + 3)                 # kb floats * 4 bytes -> kb / 8 super-blocks
-
-
 # --------------------------------------------------------------------------- AVX2 tile
 
 class Registers:
@@ -128,12 +123,7 @@ class Registers:
         wanted = {"nibble": Constant.uint32x8(0x0F0F0F0F), "ones": Constant.uint16x16(1)}
         if kind.five_bit:
             wanted["high"] = Constant.uint32x8(HIGH_BIT * 0x01010101)
-        for name, constant in wanted.items():
-            if spare > 0:
-                register = YMMRegister()
-                VMOVDQA(register, constant)
-                constant, spare = register, spare - 1
-            setattr(self, name, constant)
+        spare = place_constants(self, wanted, spare)
         self.super_scales = spare >= 2
         spare -= 2 * self.super_scales
         self.high_bits = kind.five_bit and spare >= 1
@@ -237,7 +227,7 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     facc = [YMMRegister() for _ in range(rows)]
     for f in facc:
         VXORPS(f, f, f)
-    start_super_blocks(r)
+    count_blocks(r, KQ_SUB_BLOCKS)
     with Loop() as supers:
         regs.load_super_scales(r)
         for b in range(KQ_SUB_BLOCKS):
@@ -319,7 +309,7 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         zero(total)
     nibbles = broadcast_constant(r, NIBBLE_BYTES)
     high = broadcast_constant(r, HIGH_BIT * 0x01010101) if kind.five_bit else None
-    start_super_blocks(r)
+    count_blocks(r, KQ_SUB_BLOCKS)
     with Loop() as supers:
         super_scales = tuple(load_super_scales_avx512(r))
         for b in range(KQ_SUB_BLOCKS):
@@ -358,8 +348,8 @@ def emit_only_row(r, weights, d_w, m_w, total):
     VFMADD231PS(total, m_w, broadcast([r.act_sum + r.spare * 1]))
 
 
-TILES = {"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}
+FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS)
 
 
 def emit(isa):
-    return [emit_qgemm(kind, isa, tiles=TILES) for kind in KINDS]
+    return [emit_qgemm(kind, isa, FAMILY) for kind in KINDS]

@@ -72,6 +72,43 @@ def _check_positions(positions, n_ctx, what):
         raise ValueError(f"positions: expected values in [0, {n_ctx}) ({what}), got {low}..{high}")
 
 
+def _stream_call(symbol, inputs, out, span, floats=()):
+    """An elementwise op's call: checks the f32 ``inputs`` ((name, array), all of the first's
+    shape), then the ``floats`` ((name, value), finite), then ``out`` (each input identical to
+    it or disjoint) and ``span``; returns (symbol, args): the inputs and out at the span's
+    first element, the floats between them, and the span's length."""
+    (first_name, first), *others = inputs
+    addresses = [checked_address(first_name, first, F32)]
+    addresses += [checked_address(name, array, F32, first.shape) for name, array in others]
+    values = [v.finite_float(name, value) for name, value in floats]
+    out_at = _output("out", out, first.shape, inputs)
+    i0, i1 = _span(span, first.size)
+    skip = FLOAT_BYTES * i0
+    return symbol, [at + skip for at in addresses] + values + [out_at + skip, i1 - i0]
+
+
+def _row_call(symbol, x, out, rows, vectors=(), scalars=()):
+    """A row-wise op's call over the rows of x [..., n]: checks x, then the ``vectors``
+    ((name, array), each [n] and read by every row, so out may not overlap them), then the
+    ``scalars`` (functions returning a checked float: they run in this order), then ``out``
+    (x itself or disjoint) and ``rows``; returns (symbol, args): x, the vectors, out, the
+    row count, n and the scalars."""
+    x_at, n_rows, n = _rows("x", x)
+    addresses = [checked_address(name, array, F32, (n,)) for name, array in vectors]
+    values = [check() for check in scalars]
+    out_at = _output("out", out, x.shape, [("x", x)], disjoint=vectors)
+    r0, r1 = _row_range(rows, n_rows)
+    skip = FLOAT_BYTES * n * r0
+    return symbol, [x_at + skip] + addresses + [out_at + skip, r1 - r0, n] + values
+
+
+def _positive(name, value):
+    value = v.finite_float(name, value)
+    if value <= 0:
+        raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- elementwise
 
 def add(a, b, out):
@@ -81,12 +118,7 @@ def add(a, b, out):
 
 
 def add_call(a, b, out, span=None):
-    a_at = checked_address("a", a, F32)
-    b_at = checked_address("b", b, F32, a.shape)
-    out_at = _output("out", out, a.shape, [("a", a), ("b", b)])
-    i0, i1 = _span(span, a.size)
-    skip = FLOAT_BYTES * i0
-    return "llb_add_f32__avx2", [a_at + skip, b_at + skip, out_at + skip, i1 - i0]
+    return _stream_call("llb_add_f32__avx2", [("a", a), ("b", b)], out, span)
 
 
 def scale(x, s, out):
@@ -96,12 +128,7 @@ def scale(x, s, out):
 
 
 def scale_call(x, s, out, span=None):
-    x_at = checked_address("x", x, F32)
-    s = v.finite_float("s", s)
-    out_at = _output("out", out, x.shape, [("x", x)])
-    i0, i1 = _span(span, x.size)
-    skip = FLOAT_BYTES * i0
-    return "llb_scale_f32__avx2", [x_at + skip, s, out_at + skip, i1 - i0]
+    return _stream_call("llb_scale_f32__avx2", [("x", x)], out, span, floats=[("s", s)])
 
 
 def exp(x, out):
@@ -111,11 +138,7 @@ def exp(x, out):
 
 
 def exp_call(x, out, span=None):
-    x_at = checked_address("x", x, F32)
-    out_at = _output("out", out, x.shape, [("x", x)])
-    i0, i1 = _span(span, x.size)
-    skip = FLOAT_BYTES * i0
-    return "llb_exp_f32__avx2", [x_at + skip, out_at + skip, i1 - i0]
+    return _stream_call("llb_exp_f32__avx2", [("x", x)], out, span)
 
 
 def silu_mul(gate, up, out):
@@ -125,12 +148,7 @@ def silu_mul(gate, up, out):
 
 
 def silu_mul_call(gate, up, out, span=None):
-    gate_at = checked_address("gate", gate, F32)
-    up_at = checked_address("up", up, F32, gate.shape)
-    out_at = _output("out", out, gate.shape, [("gate", gate), ("up", up)])
-    i0, i1 = _span(span, gate.size)
-    skip = FLOAT_BYTES * i0
-    return "llb_silu_mul_f32__avx2", [gate_at + skip, up_at + skip, out_at + skip, i1 - i0]
+    return _stream_call("llb_silu_mul_f32__avx2", [("gate", gate), ("up", up)], out, span)
 
 
 def gelu_mul(gate, up, out):
@@ -143,12 +161,7 @@ def gelu_mul(gate, up, out):
 
 
 def gelu_mul_call(gate, up, out, span=None):
-    gate_at = checked_address("gate", gate, F32)
-    up_at = checked_address("up", up, F32, gate.shape)
-    out_at = _output("out", out, gate.shape, [("gate", gate), ("up", up)])
-    i0, i1 = _span(span, gate.size)
-    skip = FLOAT_BYTES * i0
-    return "llb_gelu_mul_f32__avx2", [gate_at + skip, up_at + skip, out_at + skip, i1 - i0]
+    return _stream_call("llb_gelu_mul_f32__avx2", [("gate", gate), ("up", up)], out, span)
 
 
 # --------------------------------------------------------------------------- row-wise
@@ -160,12 +173,7 @@ def add_bias(x, bias, out):
 
 
 def add_bias_call(x, bias, out, rows=None):
-    x_at, n_rows, n = _rows("x", x)
-    bias_at = checked_address("bias", bias, F32, (n,))
-    out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("bias", bias)])
-    r0, r1 = _row_range(rows, n_rows)
-    skip = FLOAT_BYTES * n * r0
-    return "llb_add_bias_f32__avx2", [x_at + skip, bias_at, out_at + skip, r1 - r0, n]
+    return _row_call("llb_add_bias_f32__avx2", x, out, rows, vectors=[("bias", bias)])
 
 
 def rmsnorm(x, w, eps, out):
@@ -175,15 +183,8 @@ def rmsnorm(x, w, eps, out):
 
 
 def rmsnorm_call(x, w, eps, out, rows=None):
-    x_at, n_rows, d = _rows("x", x)
-    w_at = checked_address("w", w, F32, (d,))
-    eps = v.finite_float("eps", eps)
-    if eps <= 0:
-        raise ValueError(f"eps: expected a number > 0, got {eps!r}")
-    out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("w", w)])
-    r0, r1 = _row_range(rows, n_rows)
-    skip = FLOAT_BYTES * d * r0
-    return "llb_rmsnorm_f32__avx2", [x_at + skip, w_at, out_at + skip, r1 - r0, d, eps]
+    return _row_call("llb_rmsnorm_f32__avx2", x, out, rows, vectors=[("w", w)],
+                     scalars=[lambda: _positive("eps", eps)])
 
 
 def softmax(x, out):
@@ -193,11 +194,7 @@ def softmax(x, out):
 
 
 def softmax_call(x, out, rows=None):
-    x_at, n_rows, n = _rows("x", x)
-    out_at = _output("out", out, x.shape, [("x", x)])
-    r0, r1 = _row_range(rows, n_rows)
-    skip = FLOAT_BYTES * n * r0
-    return "llb_softmax_f32__avx2", [x_at + skip, out_at + skip, r1 - r0, n]
+    return _row_call("llb_softmax_f32__avx2", x, out, rows)
 
 
 def rope(x, positions, cos, sin, style, out):

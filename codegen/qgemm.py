@@ -77,13 +77,14 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, 
                             PREFETCHT0)
 
 from .common import Kernel, function, tail_mask
+from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS, qgemm_symbol
 from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
-from .contract import BLOCK, CHUNK, GROUP, QUANT_ARRAYS, qgemm_symbol
 YMM_COUNT = 16
-# Decode streams the weights once: prefetching 16 KiB ahead lifts a cold single-thread
-# GEMV from ~32 to ~43 GB/s, the machine's read-probe bandwidth (measured 4-64 KiB).
+# Decode streams the weights once: a software prefetch this far ahead of the hardware
+# prefetchers lifted a cold single-thread GEMV to the read probe's bandwidth on the AMD
+# host it was tuned on (4-64 KiB measured alike; the README has the figures).
 PREFETCH_BYTES = 16384
 
 

@@ -364,9 +364,12 @@ FALLBACK_FORMAT = "chatml"     # llama.cpp's choice for every file without a tem
 def format_for_architecture(arch, vocabulary=()):
     """The built-in format name for a file of architecture ``arch`` without a template.
 
-    vocabulary: the file's token texts (a set is fastest), to choose among the formats
-    the architecture allows."""
+    vocabulary: the file's token texts, to choose among the formats the architecture
+    allows; read only when it allows more than one (a 262k-token list costs tens of ms
+    to index, on every load)."""
     candidates = ARCHITECTURE_FORMATS.get(arch, (FALLBACK_FORMAT,))
+    if len(candidates) > 1:
+        vocabulary = set(vocabulary)
     for name in candidates[:-1]:
         if all(marker in vocabulary for marker in BUILTIN[name].markers):
             return name
@@ -413,7 +416,7 @@ def template_for_model(tokenizer_metadata, arch):
     text = tokenizer_metadata.get("tokenizer.chat_template")
     if text:
         return ChatTemplate(name=FILE_TEMPLATE, text=text, builtin=False)
-    vocabulary = set(tokenizer_metadata.get("tokenizer.ggml.tokens", ()))
+    vocabulary = tokenizer_metadata.get("tokenizer.ggml.tokens", ())
     return builtin_template(format_for_architecture(arch, vocabulary))
 
 

@@ -129,11 +129,17 @@ def _unpack_q6_k(planes):
     return chunks.reshape(chunks.shape[:-3] + (CHUNKS, CHUNK))
 
 
-def rows_q6_k(w, ids):
-    ids = _checked_ids(w, ids)
-    q = _row_chunks(w, ids, _unpack_q6_k).reshape(len(ids), -1)
-    dl = _per_sub(_super_scales(w, "d", ids)) * _sub_scales(w, "sc", ids).astype(np.float32)
-    return _weights(q, 32, dl)
+def _offset_rows(unpack, offset):
+    """The ``rows`` of a kind whose weights are d * sc * (q - offset) (Q6_K, Q3_K)."""
+    def rows(w, ids):
+        ids = _checked_ids(w, ids)
+        q = _row_chunks(w, ids, unpack).reshape(len(ids), -1)
+        dl = _per_sub(_super_scales(w, "d", ids)) * _sub_scales(w, "sc", ids).astype(np.float32)
+        return _weights(q, offset, dl)
+    return rows
+
+
+rows_q6_k = _offset_rows(_unpack_q6_k, 32)
 
 
 # --------------------------------------------------------------------------- q3_k
@@ -159,11 +165,7 @@ def _unpack_q3_k(planes):
     return np.concatenate([pairs, six, seven], axis=-2)
 
 
-def rows_q3_k(w, ids):
-    ids = _checked_ids(w, ids)
-    q = _row_chunks(w, ids, _unpack_q3_k).reshape(len(ids), -1)
-    dl = _per_sub(_super_scales(w, "d", ids)) * _sub_scales(w, "sc", ids).astype(np.float32)
-    return _weights(q, 4, dl)
+rows_q3_k = _offset_rows(_unpack_q3_k, 4)          # sc is stored as sc - 32
 
 
 # --------------------------------------------------------------------------- q2_k

@@ -18,6 +18,11 @@ CHUNK = 4            # quant bytes of one row per 32-byte load of a group
 # -- float weights (runtime/layout_float.py packs them, codegen/gemm.py reads them)
 PANEL = 16           # weight rows per panel: two ymm of f32 columns
 
+# -- the paged KV cache (llambda/kv_pool.py owns it; runtime/ref/paged.py defines the ops that
+#    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim]; a sequence's key j
+#    lives in block tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
+KV_BLOCK = 16        # positions per KV block
+
 # -- plans (runtime/plan.py writes records, codegen/executor.py walks them)
 RECORD_BYTES = 128
 FN_OFFSET = 0

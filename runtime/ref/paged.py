@@ -1,0 +1,78 @@
+"""numpy reference: the paged KV cache's ops (what runtime/native/paged.py's kernels must match).
+
+The cache of one layer is an arena of fixed-size blocks, ``[n_blocks, n_kv_head, KV_BLOCK,
+head_dim]``. Every row i of a step belongs to one sequence: ``row_seq[i]`` picks its block
+table, ``tables[row_seq[i]]`` (int32 block indices), and ``positions[i]`` is the row's absolute
+position in that sequence. Key j of a sequence lives in block ``tables[s, j // KV_BLOCK]`` at
+row ``j % KV_BLOCK``. Positions, row_seq and tables are read when the op runs (a plan records
+their addresses), so one recorded plan serves any mix of sequences and positions; the caller
+(llambda/kv_pool.py) guarantees every index is in range.
+
+Arenas are float32 or float16 (stored values rounded to the arena's type).
+"""
+import numpy as np
+
+from ...codegen.contract import KV_BLOCK
+
+__all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
+
+MAX_HEADS = 3          # query heads sharing a KV head done together (the kernel's tile)
+LANES = 16
+
+
+def paged_attention_scratch(max_keys):
+    """The scratch one thread passes to every ``attention_paged`` call: score rows for up to
+    ``max_keys`` keys (a sequence's longest context)."""
+    if isinstance(max_keys, bool) or not isinstance(max_keys, (int, np.integer)) or max_keys < 1:
+        raise ValueError(f"max_keys: expected a positive integer, got {max_keys!r}")
+    return np.zeros(MAX_HEADS * (-(-int(max_keys) // LANES) * LANES), np.float32)
+
+
+def _slot(tables, row_seq, positions, i):
+    p = int(positions[i])
+    return int(tables[int(row_seq[i]), p // KV_BLOCK]), p % KV_BLOCK
+
+
+def kv_store_paged(src, positions, row_seq, tables, arena, heads=None):
+    """arena[block, h, p % KV_BLOCK, :] = src[i, h, :] with p = positions[i] and
+    block = tables[row_seq[i], p // KV_BLOCK], for rows i in order (the later wins a shared
+    slot) and KV heads h in heads=(h0, h1), default all.
+
+    src f32 [m, n_kv, head_dim]; positions, row_seq int32 [m]; tables int32 [n_tables, max_blocks];
+    arena f32 or f16 [n_blocks, n_kv, KV_BLOCK, head_dim]."""
+    h0, h1 = heads if heads is not None else (0, src.shape[1])
+    for i in range(src.shape[0]):
+        block, row = _slot(tables, row_seq, positions, i)
+        arena[block, h0:h1, row, :] = src[i, h0:h1, :]
+
+
+def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                    heads=None, window=0):
+    """out[i, h] = sum_j p_j v_j, p = softmax_j(scale * q[i, h] . k_j), over the keys row i at
+    position p = positions[i] sees in its sequence (tables[row_seq[i]]): j <= p, and
+    p - j < window when window > 0; kv = h // (n_head // n_kv_head). In float64, from the math.
+
+    q, out f32 [m, n_head, head_dim]; arenas as in ``kv_store_paged``; heads=(h0, h1) computes
+    only those query heads; scratch (from ``paged_attention_scratch``) is unused here."""
+    m, n_head, _ = q.shape
+    group = n_head // k_arena.shape[1]
+    h0, h1 = heads if heads is not None else (0, n_head)
+    for i in range(m):
+        p, seq = int(positions[i]), int(row_seq[i])
+        first = max(0, p - window + 1) if window else 0
+        keys = np.arange(first, p + 1)
+        blocks = tables[seq, keys // KV_BLOCK]
+        rows = keys % KV_BLOCK
+        for h in range(h0, h1):
+            kv = h // group
+            k = k_arena[blocks, kv, rows].astype(np.float64)
+            v = v_arena[blocks, kv, rows].astype(np.float64)
+            s = scale * (k @ q[i, h].astype(np.float64))
+            e = np.exp(s - s.max())
+            out[i, h] = (e / e.sum()) @ v
+
+
+def gather_rows(src, rows, out):
+    """out[r] = src[rows[r]] for r < len(rows): the step rows whose logits are wanted, gathered
+    for the LM head. src f32 [m, d]; rows int32 [h] (read when the op runs, each < m); out f32 [h, d]."""
+    out[:] = src[rows]

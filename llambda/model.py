@@ -22,20 +22,41 @@ from llambda.runtime import buffers, layouts
 from llambda.runtime.kinds import traits
 from llambda.runtime.linear import Linear
 
-from .arch import LM_HEAD
+from llambda.codegen.contract import KV_BLOCK
 
-# Prompt tokens per prefill chunk: big enough for GEMM efficiency, small
-# enough that the activation buffers stay in L2.
+from .arch import LM_HEAD
+from .kv_pool import KVPool
+
+# Rows per step (prompt tokens of a prefill chunk and decode rows): big enough for GEMM
+# efficiency, small enough that the activation buffers stay in L2.
 DEFAULT_BATCH = 128
+# Head rows a step can compute at least (all-logits runs go this many rows at a time)
+MIN_HEAD_ROWS = 16
+# Step shapes are padded up to one of these (then to the buffers' size): a plan per bucket,
+# and at most a third of a step's rows wasted on padding.
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket(n, limit):
+    """The smallest bucket >= n, at most ``limit`` (n itself beyond the largest bucket)."""
+    for b in BUCKETS:
+        if b >= n:
+            return min(b, limit)
+    return n
 
 
 class TransformerModel:
-    def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None):
+    def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None, max_seqs=1,
+                 kv_blocks=None):
         c = self.config = config
         self.arch = c.architecture
         self.backend = backend
         self.n_ctx = n_ctx
-        self.max_batch = max_batch = max(1, min(max_batch, n_ctx))
+        # rows per step: a prefill chunk and the decode rows of the running sequences
+        self.max_batch = max_batch = max(1, min(max_batch, n_ctx) if max_seqs == 1 else max_batch)
+        self.max_seqs = max_seqs
+        # rows whose logits one step computes: one per running sequence, and the chunk's last
+        self.max_heads = max_heads = min(max_batch, max(max_seqs + 1, MIN_HEAD_ROWS))
         self.embedding = weights["token_embd.weight"]
         self.lm_head = self.embedding if c.tied_embeddings else weights[LM_HEAD]
         self.output_norm = weights["output_norm.weight"]
@@ -43,7 +64,7 @@ class TransformerModel:
                        for i in range(c.n_layer)]
 
         q_dim, kv_dim = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
-        # Activations (one row per token of the current chunk)
+        # Activations (one row per row of the current step)
         self.x = buffers.zeros((max_batch, c.dim))          # residual stream
         self.xn = buffers.zeros((max_batch, c.dim))         # normalised input of a block
         self.q = buffers.zeros((max_batch, q_dim))
@@ -53,12 +74,19 @@ class TransformerModel:
         self.proj = buffers.zeros((max_batch, c.dim))       # block output before the residual add
         self.gate = buffers.zeros((max_batch, c.ffn_dim))
         self.up = buffers.zeros((max_batch, c.ffn_dim))
-        self.logits = buffers.zeros((1, c.vocab_size))
-        self.positions = buffers.zeros(max_batch, np.int32)
-        # KV cache: [layer][kv_head, position, head_dim]
-        self.k_cache = [buffers.zeros((c.n_kv_head, n_ctx, c.head_dim)) for _ in range(c.n_layer)]
-        self.v_cache = [buffers.zeros((c.n_kv_head, n_ctx, c.head_dim)) for _ in range(c.n_layer)]
-        self.att_scratch = backend.attention_scratch(n_ctx, max_batch)
+        self.xh = buffers.zeros((max_heads, c.dim))         # the rows whose logits are wanted
+        self.logits = buffers.zeros((max_heads, c.vocab_size))
+        # What a step is, read by the ops when they run (the engine fills them; see step()):
+        self.token_ids = buffers.zeros(max_batch, np.int32)
+        self.positions = buffers.zeros(max_batch, np.int32)     # each row's position in its sequence
+        self.row_seq = buffers.zeros(max_batch, np.int32)       # each row's block table (kv.tables row)
+        self.head_rows = buffers.zeros(max_heads, np.int32)     # the rows gathered for the LM head
+        # The paged KV cache: by default room for max_seqs full contexts, and one more for the
+        # direct single-sequence path (api.Model.evaluate); pages nobody touches cost no memory
+        if kv_blocks is None:
+            kv_blocks = (max_seqs + 1) * KVPool.blocks_for(n_ctx) + 1
+        self.kv = KVPool(c, kv_blocks, max_seqs + 1, n_ctx)
+        self.att_scratch = backend.paged_attention_scratch(self.kv.max_blocks * KV_BLOCK)
         # RoPE tables per layer: one pair per distinct (base, scale), e.g. Gemma's local and global
         tables = {}
         factors = _rope_factors(weights, c, n_ctx)
@@ -69,55 +97,52 @@ class TransformerModel:
         self.linear = Linear(backend, max_batch, max(c.dim, c.ffn_dim, q_dim))
         self.glu = self.arch.glu_op           # act(gate) * up: "silu_mul" or "gelu_mul"
 
-        # The plan path (AVX2): a pinned worker pool and one plan per (chunk size, with LM head).
+        # The plan path (AVX2): a pinned worker pool and one plan per step shape (rows, head rows).
         # The token embedding is looked up inside the plan (the kernel reads token_ids)
         # when its kind has a kernel; otherwise numpy fills x before the plan runs.
-        self.token_ids = buffers.zeros(max_batch, np.int32)
         self._embed_in_plan = backend.runs_plans and traits(self.embedding.kind).embed
         self.pool = None
         self._plans = {}
+        self._pool_threads = threads
+        self.threads = threads if threads is not None else 1
         if backend.runs_plans:
+            from llambda.runtime.pool import default_threads
+            self.threads = threads if threads is not None else default_threads()
+            self._plan(1, 1)        # the decode plan: built with the model, not on the first token
+
+    def start_pool(self):
+        """Start the worker pool: from the thread that will run every step (worker 0, pinned)."""
+        if self.backend.runs_plans and self.pool is None:
             from llambda.runtime.pool import WorkerPool
-            self.pool = WorkerPool(threads)
-            self._plan(1, True)        # the decode plan: built with the model, not on the first token
-        self.threads = self.pool.n_threads if self.pool else 1
+            self.pool = WorkerPool(self.threads)
 
     def close(self):
         if self.pool is not None:
             self.pool.close()
 
     # -- running --------------------------------------------------------------
-    def forward(self, ids, pos0, all_logits=False):
-        """Run tokens ``ids`` at positions pos0.. and return the logits of the last one
-        (or of every one, [len(ids), vocab], when ``all_logits``)."""
-        if pos0 + len(ids) > self.n_ctx:
-            raise ValueError(f"positions {pos0}..{pos0 + len(ids) - 1} exceed the context of {self.n_ctx}")
-        rows = []
-        for start in range(0, len(ids), self.max_batch):
-            chunk = ids[start:start + self.max_batch]
-            m = len(chunk)
-            last = start + m == len(ids)
-            if min(chunk) < 0 or max(chunk) >= self.embedding.n:     # the embed kernel trusts ids
-                raise ValueError(f"token ids must be in [0, {self.embedding.n}), got {min(chunk)}..{max(chunk)}")
-            self.token_ids[:m] = chunk
-            if not self._embed_in_plan:
-                self.x[:m] = layouts.rows(self.embedding, chunk)
-            self.positions[:m] = range(pos0 + start, pos0 + start + m)
-            with_head = last and not all_logits
-            if self.pool is not None:
-                recorder = self._plan(m, with_head)
-                recorder.set_pos0(pos0 + start)
-                self.pool.run(recorder.plan)
-            else:
-                self._blocks(self.backend, self.linear, m, pos0 + start)
-                if with_head:
-                    self._head(self.backend, self.linear, m)
-            if all_logits:
-                out = buffers.empty((m, self.config.vocab_size))
-                self.backend.rmsnorm(self.x[:m], self.output_norm, self.config.rms_eps, self.xn[:m])
-                self.linear(self.xn[:m], self.lm_head, out)
-                rows.append(self._softcapped(out))
-        return np.concatenate(rows) if all_logits else self._softcapped(self.logits)[0]
+    def step(self, m, h):
+        """Run the step the buffers describe and return the logits of its head rows, [h, vocab].
+
+        Rows 0..m-1: token_ids (in [0, vocab)), positions, row_seq (a kv.tables row whose
+        blocks hold every position up to the row's); head_rows[:h] (each < m) pick the rows whose
+        logits are wanted. A row attends to its sequence's keys up to its own position, which
+        every row of the step stores first. The shape is padded to a bucket (padding rows write
+        only the trash block), so plans exist for few shapes."""
+        mb, hb = bucket(m, self.max_batch), bucket(h, self.max_heads)
+        self.token_ids[m:mb] = 0
+        self.positions[m:mb] = 0
+        self.row_seq[m:mb] = self.kv.pad_table
+        self.head_rows[h:hb] = 0
+        if not self._embed_in_plan:
+            self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
+        if self.backend.runs_plans:
+            self.start_pool()
+            self.pool.run(self._plan(mb, hb).plan)
+        else:
+            self._blocks(self.backend, self.linear, mb)
+            self._head(self.backend, self.linear, hb)
+        return self._softcapped(self.logits[:h])
 
     def _softcapped(self, logits):
         """Gemma-style final soft-capping, c tanh(logits / c), in place (numpy: one row per token)."""
@@ -126,16 +151,15 @@ class TransformerModel:
             np.multiply(np.tanh(logits / np.float32(cap)), np.float32(cap), out=logits)
         return logits
 
-    def _plan(self, m, with_head, pos0=0):
-        """The recorded plan of a chunk of ``m`` tokens (built once, then reused)."""
-        key = (m, with_head)
+    def _plan(self, m, h):
+        """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then reused)."""
+        key = (m, h)
         if key not in self._plans:
             from llambda.runtime.recorder import PlanRecorder
-            rec = PlanRecorder(self.pool.n_threads, self.n_ctx, self.backend)
+            rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
             lin = self.linear.on(rec)
-            self._blocks(rec, lin, m, pos0)
-            if with_head:
-                self._head(rec, lin, m)
+            self._blocks(rec, lin, m)
+            self._head(rec, lin, h)
             self._plans[key] = rec.finish()
         return self._plans[key]
 
@@ -143,21 +167,22 @@ class TransformerModel:
         """A context in which every plan run is timed, op by op, through the normal path:
 
             with net.profile() as timer:    # a llambda.profile.PlanTimer, standing in for the pool
-                ...                         # forward() as usual; timer.runs collects the stamps
+                ...                         # step() as usual; timer.runs collects the stamps
         """
-        if self.pool is None:
+        if not self.backend.runs_plans:
             raise ValueError("profile: only the plan path (the AVX2 backend) runs plans to time")
+        self.start_pool()
         return _Profiling(self)
 
     # -- the math ---------------------------------------------------------------
-    def _blocks(self, be, lin, m, pos0):
-        """Every transformer block over the chunk's m tokens (their embeddings in x, or
+    def _blocks(self, be, lin, m):
+        """Every transformer block over the step's m rows (their embeddings in x, or
         looked up first from token_ids when the plan does it)."""
         c, a = self.config, self.arch
         x, xn, proj = self.x[:m], self.xn[:m], self.proj[:m]
         q, k, v, att = self.q[:m], self.k[:m], self.v[:m], self.att[:m]
         gate, up = self.gate[:m], self.up[:m]
-        positions = self.positions[:m]
+        positions, row_seq, tables = self.positions[:m], self.row_seq[:m], self.kv.tables
         if self._embed_in_plan:
             be.embed(self.embedding, self.token_ids[:m], x)
         if c.embed_scale != 1.0:
@@ -183,10 +208,11 @@ class TransformerModel:
                 be.rmsnorm(k_rows, L.attn_k_norm, c.rms_eps, k_rows)
             be.rope(q_heads, positions, cos, sin, c.rope_style, q_heads)
             be.rope(k_heads, positions, cos, sin, c.rope_style, k_heads)
-            be.kv_store(k_heads, positions, self.k_cache[layer])
-            be.kv_store(v_heads, positions, self.v_cache[layer])
-            be.attention(q_heads, self.k_cache[layer], self.v_cache[layer], pos0, c.att_scale,
-                         att_heads, self.att_scratch, window=c.layer_window[layer])
+            k_arena, v_arena = self.kv.k[layer], self.kv.v[layer]
+            be.kv_store_paged(k_heads, positions, row_seq, tables, k_arena)
+            be.kv_store_paged(v_heads, positions, row_seq, tables, v_arena)
+            be.attention_paged(q_heads, k_arena, v_arena, positions, row_seq, tables, c.att_scale,
+                               att_heads, self.att_scratch, window=c.layer_window[layer])
             lin.load(att)
             _project(be, lin, L.attn_output, L.bias["attn_output"], proj)
             if a.post_norms:
@@ -203,11 +229,13 @@ class TransformerModel:
                 be.rmsnorm(proj, L.post_ffw_norm, c.rms_eps, proj)
             be.add(x, proj, x)
 
-    def _head(self, be, lin, m):
-        """Final norm and LM head for the chunk's last token, into self.logits."""
+    def _head(self, be, lin, h):
+        """Final norm and LM head for the h rows listed in head_rows, into self.logits[:h]."""
         c = self.config
-        be.rmsnorm(self.x[m - 1:m], self.output_norm, c.rms_eps, self.xn[:1])
-        lin(self.xn[:1], self.lm_head, self.logits)
+        xh = self.xh[:h]
+        be.gather_rows(self.x, self.head_rows[:h], xh)
+        be.rmsnorm(xh, self.output_norm, c.rms_eps, xh)
+        lin(xh, self.lm_head, self.logits[:h])
 
 
 class _Profiling:

@@ -43,11 +43,15 @@ class Sampler:
     repeat_penalty: make the ids among the last repeat_last_n of the history less
         likely (1 leaves them alone): positive logits are divided by it, negative
         ones multiplied.
+    presence_penalty, frequency_penalty: OpenAI's, over the same window: subtract
+        presence_penalty from the logit of every id that occurs in it, and
+        frequency_penalty times the number of times it occurs (0 leaves them alone;
+        negative values favour repeats).
     seed: the same seed gives the same draws; None draws a fresh seed.
     """
 
     def __init__(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-                 repeat_last_n=64, seed=None):
+                 repeat_last_n=64, seed=None, presence_penalty=0.0, frequency_penalty=0.0):
         self.temperature = _check_real("temperature", temperature, 0.0, math.inf, True, False)
         self.top_k = _check_count("top_k", top_k)
         self.top_p = _check_real("top_p", top_p, 0.0, 1.0, False, True)
@@ -55,6 +59,8 @@ class Sampler:
         self.repeat_penalty = _check_real("repeat_penalty", repeat_penalty, 0.0, math.inf,
                                           False, False)
         self.repeat_last_n = _check_count("repeat_last_n", repeat_last_n)
+        self.presence_penalty = _check_real("presence_penalty", presence_penalty, -2.0, 2.0, True, True)
+        self.frequency_penalty = _check_real("frequency_penalty", frequency_penalty, -2.0, 2.0, True, True)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)
                                  or seed < 0):
             raise ValueError(f"seed: expected None or an integer >= 0, got {seed!r}")
@@ -87,14 +93,15 @@ class Sampler:
         return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
 
     def _penalize_repeats(self, logits, history):
-        if self.repeat_penalty == 1.0 or self.repeat_last_n == 0 or len(history) == 0:
+        if ((self.repeat_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
+                or self.repeat_last_n == 0 or len(history) == 0):
             return logits
         recent = np.asarray(history[-self.repeat_last_n:], dtype=np.int64)
-        recent = np.unique(recent[(recent >= 0) & (recent < logits.size)])
+        recent, counts = np.unique(recent[(recent >= 0) & (recent < logits.size)], return_counts=True)
         penalized = logits.copy()
         seen = penalized[recent]
-        penalized[recent] = np.where(seen > 0, seen / self.repeat_penalty,
-                                     seen * self.repeat_penalty)
+        seen = np.where(seen > 0, seen / self.repeat_penalty, seen * self.repeat_penalty)
+        penalized[recent] = seen - self.presence_penalty - self.frequency_penalty * counts
         return penalized
 
     # Top-p and min-p each keep a prefix of the candidates sorted most likely first.

@@ -1,0 +1,138 @@
+"""The paged KV cache: one preallocated arena of fixed-size blocks that every sequence shares.
+
+Per layer the arena holds K and V as ``[n_blocks, n_kv_head, KV_BLOCK, head_dim]``; block b
+of every layer belongs to the same sequence, so one block table per sequence (a row of
+``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
+
+Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
+is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before
+it, so equal keys mean equal token prefixes (hence equal K/V: every kernel is batch
+invariant). A new sequence whose prompt starts with sealed blocks shares them instead of
+computing them again. Sealed blocks are reference counted; when the last sequence using
+one ends, it stays cached on an LRU list and is evicted (reused) only when the free list is
+empty, so a block in use is never evicted.
+
+Block 0 is never handed out: table entries past a sequence's end and the padding rows of
+a step point at it, and whatever they write there is never read by a real row.
+"""
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from llambda.runtime import buffers
+from llambda.codegen.contract import KV_BLOCK
+
+TRASH_BLOCK = 0
+
+
+class KVPool:
+    def __init__(self, config, n_blocks, max_tables, max_ctx, dtype=np.float32):
+        c = config
+        if n_blocks < 2:
+            raise ValueError(f"n_blocks: the KV pool needs at least 2 blocks, got {n_blocks}")
+        self.n_blocks = n_blocks
+        self.max_blocks = -(-max_ctx // KV_BLOCK)           # blocks per sequence at most
+        shape = (n_blocks, c.n_kv_head, KV_BLOCK, c.head_dim)
+        self.k = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
+        self.v = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
+        self.nbytes = 2 * c.n_layer * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        # one block table per running sequence, and a spare one (all TRASH) for padding rows
+        self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
+        self.pad_table = max_tables
+        self._free_tables = list(range(max_tables - 1, -1, -1))
+        self._free = list(range(n_blocks - 1, TRASH_BLOCK, -1))
+        self._refs = np.zeros(n_blocks, np.int64)
+        self._key_of = {}                 # sealed block -> key
+        self._block_of = {}               # key -> sealed block
+        self._idle = OrderedDict()        # sealed blocks no sequence uses, least recently used first
+
+    # -- accounting -------------------------------------------------------------
+    @property
+    def blocks_in_use(self):
+        """Blocks some sequence holds (cached idle blocks and block 0 not counted)."""
+        return self.n_blocks - 1 - len(self._free) - len(self._idle)
+
+    @property
+    def available(self):
+        return len(self._free) + len(self._idle)
+
+    @property
+    def tables_available(self):
+        return len(self._free_tables)
+
+    @staticmethod
+    def blocks_for(n_positions):
+        return -(-n_positions // KV_BLOCK)
+
+    # -- sequences --------------------------------------------------------------
+    def open(self, tokens, reserve):
+        """A table row and blocks for a sequence whose first positions hold ``tokens``, with room
+        for ``reserve`` positions in all: ``(table, blocks, keys, cached_tokens)``, the leading
+        blocks shared from the cache where their tokens match (never the block of the last
+        token: its logits must be computed). None when the pool cannot hold it now."""
+        need = self.blocks_for(reserve)
+        if need > self.max_blocks or not self._free_tables:
+            return None
+        shared, keys, key = [], [], b""
+        for b in range((len(tokens) - 1) // KV_BLOCK):
+            key = block_key(key, tokens[b * KV_BLOCK:(b + 1) * KV_BLOCK])
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            shared.append(block)
+            keys.append(key)
+        fresh = need - len(shared)
+        idle_shared = sum(1 for b in shared if b in self._idle)
+        if fresh > self.available - idle_shared:
+            return None
+        for block in shared:
+            self._idle.pop(block, None)
+            self._refs[block] += 1
+        blocks = shared + [self._take() for _ in range(fresh)]
+        table = self._free_tables.pop()
+        self.tables[table, :] = TRASH_BLOCK
+        self.tables[table, :len(blocks)] = blocks
+        return table, blocks, keys, len(shared) * KV_BLOCK
+
+    def seal(self, blocks, keys, tokens):
+        """Give every block whose positions ``tokens`` (the sequence's computed tokens) fill a key,
+        extending ``keys`` (one per sealed block so far); a block whose key another block
+        already holds stays private."""
+        while (len(keys) + 1) * KV_BLOCK <= len(tokens):
+            b = len(keys)
+            key = block_key(keys[-1] if keys else b"", tokens[b * KV_BLOCK:(b + 1) * KV_BLOCK])
+            keys.append(key)
+            block = blocks[b]
+            if key not in self._block_of and block not in self._key_of:
+                self._block_of[key] = block
+                self._key_of[block] = key
+
+    def close(self, table, blocks):
+        """Give back a sequence's table row and blocks: sealed ones stay cached, idle."""
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            if block in self._key_of:
+                self._idle[block] = None
+            else:
+                self._free.append(block)
+        self.tables[table, :] = TRASH_BLOCK
+        self._free_tables.append(table)
+
+    def _take(self):
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._idle.popitem(last=False)       # evict the least recently used
+            del self._block_of[self._key_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+
+def block_key(previous, tokens):
+    """The key of a block of ``tokens`` following the block keyed ``previous`` (b"" for the first)."""
+    digest = hashlib.blake2b(previous, digest_size=16)
+    digest.update(np.asarray(tokens, np.int32).tobytes())
+    return digest.digest()

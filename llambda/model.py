@@ -4,14 +4,20 @@ Reads like the math (llama2.c's ``forward``): every buffer is allocated once
 in ``__init__``; ``_blocks`` and ``_head`` only call ops. What differs between
 architectures (biases, Q/K norms, post norms, activation, per-layer window and
 RoPE) is read from the model's Architecture and config, never asked by name.
-Prefill runs a whole chunk of prompt tokens through batched GEMMs; decode is
-the same code with m = 1.
+A step is a set of rows, each a token of some sequence at some position: the
+prompt chunk of a sequence being prefilled and the next token of every sequence
+decoding (llambda/engine.py builds steps). Every row goes through batched GEMMs
+together; attention reads each row's own sequence from the paged KV cache
+(llambda/kv_pool.py). Every op is batch invariant, so a row's logits do not
+depend on which rows share its step.
 
 The ops go to one of two places. With the AVX2 backend, ``_blocks`` runs once
-per chunk size against a ``PlanRecorder``: the kernel calls of a whole chunk
-become a plan, split across the worker pool, that later runs with one native
-call per thread (only the position is patched between tokens). With the numpy
-backend the same code calls the reference ops directly.
+per step shape (rows, head rows; padded to a few buckets) against a
+``PlanRecorder``: the kernel calls of a whole step become a plan, split across
+the worker pool, that later runs with one native call per thread. Nothing is
+patched between steps: tokens, positions, block tables and head rows are read
+from memory when the plan runs. With the numpy backend the same code calls the
+reference ops directly.
 """
 
 import math
@@ -247,10 +253,10 @@ class _Profiling:
         self.timer = PlanTimer(net.pool, self.describe)
 
     def describe(self, plan):
-        """(chunk size, with LM head, OpInfo per op, first position) of a plan about to run."""
-        for (m, with_head), recorder in self.net._plans.items():
+        """(rows, with LM head, OpInfo per op, first row's position) of a plan about to run."""
+        for (m, _), recorder in self.net._plans.items():
             if recorder.plan is plan:
-                return m, with_head, recorder.ops, int(self.net.positions[0])
+                return m, True, recorder.ops, int(self.net.positions[0])
         raise ValueError("plan: not one of this model's plans")
 
     def __enter__(self):

@@ -7,8 +7,10 @@ __all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
 
 
 def gemm_f32(x, w, out, rows=None):
+    """In float64, rounded once to float32: how BLAS blocks a product depends on m, and at
+    float32 that would make a row's result depend on its batch (the engine's invariance)."""
     n0, n1 = rows if rows is not None else (0, w.n)
-    out[:, n0:n1] = x @ dequantize(w)[n0:n1].T
+    out[:, n0:n1] = x.astype(np.float64) @ dequantize(w)[n0:n1].astype(np.float64).T
 
 
 def gemm_f16(x, w, out, rows=None):

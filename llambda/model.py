@@ -169,6 +169,28 @@ class TransformerModel:
             self._plans[key] = rec.finish()
         return self._plans[key]
 
+    def step_shapes(self):
+        """Every (rows, head rows) plan shape a step of the engine can have: up to max_seqs
+        decode rows and a prompt chunk filling the rest of max_batch, padded to buckets."""
+        shapes = set()
+        for d in range(self.max_seqs + 1):
+            # a chunk belongs to one more sequence than the d decoding
+            for c in range(self.max_batch - d + 1) if d < self.max_seqs else (0,):
+                if d + c:
+                    for h in {max(d, 1), d + (c > 0)}:
+                        shapes.add((bucket(d + c, self.max_batch), bucket(min(h, self.max_heads), self.max_heads)))
+        return sorted(shapes)
+
+    def warm_plans(self, shapes=None):
+        """Record the plans of ``shapes`` (default: every step shape) now, so that no request
+        waits for one; returns how many were recorded."""
+        if not self.backend.runs_plans:
+            return 0
+        todo = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._plans]
+        for m, h in todo:
+            self._plan(m, h)
+        return len(todo)
+
     def profile(self):
         """A context in which every plan run is timed, op by op, through the normal path:
 

@@ -68,6 +68,8 @@ class Sampler:
 
     def sample(self, logits, history=()):
         """The next token id, given the logits over the vocabulary and the ids so far."""
+        if self.temperature > 0.0 and not self._filters_anything(np.size(logits)):
+            return self._sample_unfiltered(_checked_logits(logits), history)
         ids, probabilities = self.distribution(logits, history)
         if ids.size == 1:
             return int(ids[0])
@@ -75,6 +77,16 @@ class Sampler:
         u = self._rng.random() * cumulative[-1]
         pick = min(int(np.searchsorted(cumulative, u, side="right")), ids.size - 1)
         return int(ids[pick])
+
+    def _sample_unfiltered(self, logits, history):
+        """Draw from softmax(logits / T) over the whole vocabulary in one float32 pass (the
+        server's default, temperature only): the cumulative sum is float64, so no id's share
+        of it is lost to rounding."""
+        logits = self._penalize_repeats(logits, history)
+        weights = np.exp((logits - np.max(logits)) * np.float32(1.0 / self.temperature))
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        u = self._rng.random() * cumulative[-1]
+        return min(int(np.searchsorted(cumulative, u, side="right")), logits.size - 1)
 
     def distribution(self, logits, history=()):
         """(ids, probabilities) that `sample` draws from: what every filter kept,
@@ -178,9 +190,11 @@ def _checked_logits(logits):
         raise ValueError(f"logits: expected a non-empty 1-D array, got shape {logits.shape}")
     if logits.dtype != np.float32:
         logits = logits.astype(np.float32)
-    # -inf marks a banned token; NaN or +inf mean the forward pass went wrong.
-    if np.isnan(logits).any() or np.isposinf(logits).any():
-        raise ValueError("logits: contain NaN or +inf")
-    if np.isneginf(logits).all():
+    # -inf marks a banned token; NaN or +inf mean the forward pass went wrong. One pass
+    # when all is well: the maximum is NaN if any logit is, +inf if any is.
+    peak = np.max(logits)
+    if not np.isfinite(peak):
+        if np.isnan(peak) or np.isposinf(peak):
+            raise ValueError("logits: contain NaN or +inf")
         raise ValueError("logits: every token is -inf")
     return logits

@@ -229,3 +229,28 @@ def test_bad_logits_are_a_value_error(logits):
 def test_history_ids_outside_the_vocabulary_are_ignored():
     logits = np.array([2.0, 1.9], dtype=np.float32)
     assert Sampler(temperature=0, repeat_penalty=2.0).sample(logits, history=[-1, 7]) == 0
+
+
+# ---------------------------------------------------------------------------
+# OpenAI's presence and frequency penalties
+# ---------------------------------------------------------------------------
+
+def test_presence_penalty_subtracts_once_per_id_seen():
+    logits = np.array([2.0, 1.5, 0.0], dtype=np.float32)
+    greedy = Sampler(temperature=0, presence_penalty=0.6)
+    assert greedy.sample(logits, history=[0, 0, 0]) == 1      # 2.0 - 0.6 < 1.5
+    assert Sampler(temperature=0, presence_penalty=0.4).sample(logits, history=[0, 0, 0]) == 0
+
+
+def test_frequency_penalty_grows_with_the_count():
+    logits = np.array([2.0, 1.5, 0.0], dtype=np.float32)
+    greedy = Sampler(temperature=0, frequency_penalty=0.2)
+    assert greedy.sample(logits, history=[0, 0]) == 0          # 2.0 - 0.4 > 1.5
+    assert greedy.sample(logits, history=[0, 0, 0]) == 1       # 2.0 - 0.6 < 1.5
+
+
+@pytest.mark.parametrize("option", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2.5, 2.5, float("nan"), True])
+def test_openai_penalties_out_of_range_name_the_option(option, value):
+    with pytest.raises(ValueError, match=option):
+        Sampler(**{option: value})

@@ -313,7 +313,7 @@ class Engine:
         self.counters.steps += 1
         for c, start, n in rows:
             c.computed = start + n
-            net.kv.seal(c.blocks, c.keys, c.tokens[:c.computed])
+            net.kv.seal(c.blocks, c.keys, c.tokens, c.computed)
         for i, c in enumerate(head):
             self._sample(c, logits[i])
 

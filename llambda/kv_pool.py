@@ -95,11 +95,12 @@ class KVPool:
         self.tables[table, :len(blocks)] = blocks
         return table, blocks, keys, len(shared) * KV_BLOCK
 
-    def seal(self, blocks, keys, tokens):
-        """Give every block whose positions ``tokens`` (the sequence's computed tokens) fill a key,
-        extending ``keys`` (one per sealed block so far); a block whose key another block
-        already holds stays private."""
-        while (len(keys) + 1) * KV_BLOCK <= len(tokens):
+    def seal(self, blocks, keys, tokens, computed=None):
+        """Give every block whose positions the first ``computed`` (default all) of ``tokens``
+        fill a key, extending ``keys`` (one per sealed block so far); a block whose key
+        another block already holds stays private."""
+        computed = len(tokens) if computed is None else computed
+        while (len(keys) + 1) * KV_BLOCK <= computed:
             b = len(keys)
             key = block_key(keys[-1] if keys else b"", tokens[b * KV_BLOCK:(b + 1) * KV_BLOCK])
             keys.append(key)

@@ -84,7 +84,6 @@ class Model:
                                     max_seqs=parallel)
         self.parallel = parallel
         self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
-        self._direct = None          # (table, blocks) of evaluate()'s own sequence, once used
         self._cached = []            # token ids whose K/V that sequence holds, in order
         self.load_s = time.perf_counter() - t0
 
@@ -141,31 +140,11 @@ class Model:
         return logits
 
     def _run_direct(self, ids, start, all_logits=False):
-        """On the engine thread: run ids[start:] at positions start.. in evaluate()'s sequence;
-        the logits of the last token (a copy), or of every token ([len(ids) - start, vocab])."""
-        net = self.net
-        if self._direct is None:
-            opened = net.kv.open([], self.n_ctx)
-            if opened is None:
-                raise UserError("the KV cache is full: evaluate() has no room for its sequence")
-            self._direct = opened[:2]
-        table = self._direct[0]
+        """On the engine thread: run ids[start:] at positions start.. in evaluate()'s sequence."""
         self._cached = ids[:start]
-        chunk = net.max_heads if all_logits else net.max_batch
-        rows = []
-        for at in range(start, len(ids), chunk):
-            n = min(chunk, len(ids) - at)
-            net.token_ids[:n] = ids[at:at + n]
-            net.positions[:n] = range(at, at + n)
-            net.row_seq[:n] = table
-            if all_logits:
-                net.head_rows[:n] = range(n)
-                rows.append(net.step(n, n).copy())
-            else:
-                net.head_rows[0] = n - 1
-                logits = net.step(n, 1)[0]
-            self._cached = ids[:at + n]
-        return np.concatenate(rows) if all_logits else logits.copy()
+        out = self.net.forward(ids[start:], start, all_logits=all_logits)
+        self._cached = list(ids)
+        return out if all_logits else out.copy()
 
     def _check_ids(self, ids):
         ids = [int(i) for i in ids]

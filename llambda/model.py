@@ -109,7 +109,7 @@ class TransformerModel:
         self._embed_in_plan = backend.runs_plans and traits(self.embedding.kind).embed
         self.pool = None
         self._plans = {}
-        self._pool_threads = threads
+        self._direct_table = None             # forward()'s own sequence, once used
         self.threads = threads if threads is not None else 1
         if backend.runs_plans:
             from llambda.runtime.pool import default_threads
@@ -149,6 +149,35 @@ class TransformerModel:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)
         return self._softcapped(self.logits[:h])
+
+    def forward(self, ids, pos0, all_logits=False):
+        """Run tokens ``ids`` at positions pos0.. of the model's own single sequence (one KV
+        table apart from the engine's; positions from pos0 on are overwritten) and return the
+        logits of the last one, or of every one ([len(ids), vocab]) with ``all_logits``.
+        The low-level path of api.Model.evaluate/logits, and of tests."""
+        if pos0 + len(ids) > self.n_ctx:
+            raise ValueError(f"positions {pos0}..{pos0 + len(ids) - 1} exceed the context of {self.n_ctx}")
+        if len(ids) and (min(ids) < 0 or max(ids) >= self.embedding.n):       # the embed kernel trusts ids
+            raise ValueError(f"token ids must be in [0, {self.embedding.n}), got {min(ids)}..{max(ids)}")
+        if self._direct_table is None:
+            opened = self.kv.open([], self.n_ctx)
+            if opened is None:
+                raise ValueError("the KV cache is full: no room for the model's own sequence")
+            self._direct_table = opened[0]
+        chunk = self.max_heads if all_logits else self.max_batch
+        rows = []
+        for at in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - at)
+            self.token_ids[:n] = ids[at:at + n]
+            self.positions[:n] = range(pos0 + at, pos0 + at + n)
+            self.row_seq[:n] = self._direct_table
+            if all_logits:
+                self.head_rows[:n] = range(n)
+                rows.append(self.step(n, n).copy())
+            else:
+                self.head_rows[0] = n - 1
+                logits = self.step(n, 1)[0]
+        return np.concatenate(rows) if all_logits else logits
 
     def _softcapped(self, logits):
         """Gemma-style final soft-capping, c tanh(logits / c), in place (numpy: one row per token)."""

@@ -13,13 +13,14 @@ import numpy as np
 
 from . import generation
 from .engine import Engine
+from .kv_pool import KVPool
 from .errors import UserError
 
 DEFAULT_CTX = 2048
 
 
 def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None, parallel=1,
-         max_waiting=64):
+         max_waiting=64, kv_cache_mb=None):
     """Load a model: a GGUF (converted on first use, then cached), a converted llambda
     file, or the name of a fetchable model (`llambda fetch --list`).
 
@@ -27,10 +28,11 @@ def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, ch
     chat_template: a built-in format name ("gemma", "chatml", ...) or a Jinja file, used
     instead of the file's own template (or of its architecture's format, when it has none).
     parallel: how many sequences generate at once (each step runs all of them); the KV
-    cache holds that many full contexts. max_waiting: submissions beyond this many waiting
-    raise EngineBusy."""
+    cache holds that many full contexts, unless kv_cache_mb bounds it (sequences then wait
+    for room). max_waiting: submissions beyond this many waiting raise EngineBusy."""
     return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
-                 chat_template=chat_template, parallel=parallel, max_waiting=max_waiting)
+                 chat_template=chat_template, parallel=parallel, max_waiting=max_waiting,
+                 kv_cache_mb=kv_cache_mb)
 
 
 def load_tokenizer(path):
@@ -51,7 +53,7 @@ class Model:
     queue sequences for the engine thread, which runs up to ``parallel`` of them per step."""
 
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
-                 chat_template=None, parallel=1, max_waiting=64):
+                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
@@ -62,6 +64,9 @@ class Model:
         threads = _check_threads(threads)         # bad options fail before any file is read
         parallel = _check_positive("parallel", parallel)
         max_waiting = _check_positive("max_waiting", max_waiting)
+        if kv_cache_mb is not None and (isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, (int, float))
+                                        or not kv_cache_mb > 0):
+            raise UserError(f"kv_cache_mb: expected a positive number of MiB, got {kv_cache_mb!r}")
         override = None if chat_template is None else chat_formats.template_from_option(chat_template)
         t0 = time.perf_counter()
         if path is None:
@@ -80,8 +85,14 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
+        kv_blocks = None
+        if kv_cache_mb is not None:
+            kv_blocks = int(kv_cache_mb * 2 ** 20 // KVPool.block_bytes(self.config))
+            if kv_blocks < 2:
+                raise UserError(f"kv_cache_mb: {kv_cache_mb} MiB holds no KV block of this model "
+                                f"({KVPool.block_bytes(self.config)} bytes each)")
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
-                                    max_seqs=parallel)
+                                    max_seqs=parallel, kv_blocks=kv_blocks)
         self.parallel = parallel
         self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
         self._cached = []            # token ids whose K/V that sequence holds, in order

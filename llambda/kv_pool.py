@@ -36,7 +36,7 @@ class KVPool:
         shape = (n_blocks, c.n_kv_head, KV_BLOCK, c.head_dim)
         self.k = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
         self.v = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
-        self.nbytes = 2 * c.n_layer * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.nbytes = n_blocks * self.block_bytes(c, dtype)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
         self.pad_table = max_tables
@@ -60,6 +60,11 @@ class KVPool:
     @property
     def tables_available(self):
         return len(self._free_tables)
+
+    @staticmethod
+    def block_bytes(config, dtype=np.float32):
+        """Bytes of one block: K and V of KV_BLOCK positions in every layer."""
+        return 2 * config.n_layer * config.n_kv_head * KV_BLOCK * config.head_dim * np.dtype(dtype).itemsize
 
     @staticmethod
     def blocks_for(n_positions):

@@ -220,3 +220,18 @@ def test_closing_ends_what_runs_and_refuses_more(tiny):
     assert c.wait(TIMEOUT_S) and c.finish_reason == "cancelled"
     with pytest.raises(UserError, match="closed"):
         model.submit([1], max_tokens=1)
+
+
+def test_a_bounded_kv_cache_makes_sequences_wait_their_turn(tiny):
+    """kv_cache_mb bounds the pool: with room for about one sequence, four submitted at once
+    run one after another and each still equals its solo run."""
+    from llambda.kv_pool import KVPool
+    with llambda.load(tiny, n_ctx=64, parallel=4, progress=False) as probe:
+        block = KVPool.block_bytes(probe.config)
+    mb = 6.5 * block / 2 ** 20               # 6 blocks: trash, 5 for sequences of 3 blocks
+    with llambda.load(tiny, n_ctx=64, parallel=4, kv_cache_mb=mb, progress=False) as model:
+        assert model.net.kv.nbytes <= mb * 2 ** 20 and model.net.kv.n_blocks == 6
+        solo = [run(model, prompt(30, seed=i), seed=i) for i in range(4)]
+        together = [model.submit(prompt(30, seed=i), max_tokens=10, seed=i, ignore_eos=True, temperature=0.9)
+                    for i in range(4)]
+        assert [tokens_of(c) for c in together] == solo

@@ -34,7 +34,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG,
                             VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
-                            VFMADD231PS, VADDPS, VMULPS, VMULSS)
+                            VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH)
 
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
                         emit_softmax, reduce_to_scalar, reduce_to_scores, row, score_dots)
@@ -45,6 +45,12 @@ FAMILY = "paged"
 LOG2_KV_BLOCK = KV_BLOCK.bit_length() - 1
 assert 1 << LOG2_KV_BLOCK == KV_BLOCK
 INDEX = 4                      # bytes of an int32 position, sequence or block index
+# Arena element types and their bytes. An f16 arena is read with VCVTPH2PS (the exact f32
+# of each stored half, then the same FMAs as f32) and written with VCVTPS2PH (round to
+# nearest even, as numpy's astype): its results are the f32 kernel's on the rounded
+# values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
+ARENA_BYTES = {"f32": 4, "f16": 2}
+ROUND_NEAREST_EVEN = 0
 
 ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
                        ("out", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
@@ -91,7 +97,7 @@ def block_row_address(frame, key, head_base, out):
     IMUL(out, frame.block_stride)
     MOV(t, key)
     AND(t, KV_BLOCK - 1)
-    IMUL(t, frame.hd4)
+    IMUL(t, frame.kd)
     ADD(out, t)
     ADD(out, head_base)
 
@@ -108,18 +114,72 @@ def run_length(key, keys_left, out):
 
 # ---------------------------------------------------------------- frame
 
-def new_frame():
+def new_frame(arena):
+    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32)."""
     names = ["q_row", "out_row", "rows_left", "positions", "row_seq", "tables", "table_stride4",
              "table_row", "first", "n_keys", "window1", "h", "h1", "kv", "group_end", "group",
              "k", "v", "block_stride", "kv_stride", "row_stride", "hd4", "full_chunks", "tail",
              "stride4", "scores", "q_heads", "k_head", "v_head", "out_heads", "heads_count", "h0",
-             "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left"]
+             "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd"]
     frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
     frame.scale = LocalVariable(4)
+    frame.arena = arena
+    frame.half = arena == "f16"
     return frame
 
 
 # ---------------------------------------------------------------- pass 1: scores
+
+def key_dots(heads, keys, frame, k_rows):
+    """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
+    order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
+    if not frame.half:
+        return score_dots(heads, keys, frame, frame.q_heads, k_rows)
+    hd4, kd = gp(), gp()
+    MOV(hd4, frame.hd4)
+    MOV(kd, frame.kd)
+    if keys > 3:
+        kd3 = gp()
+        LEA(kd3, [kd + kd * 2])
+
+    def key_addr(base_lo, base_hi, key):
+        base = base_lo if key < 4 else base_hi
+        index = key % 4
+        if index == 0:
+            return [base]
+        if index == 3:
+            return [base + kd3 * 1]
+        return [base + kd * index]
+
+    accs = [ymms(keys) for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    qd, kp = gp(), gp()
+    MOV(qd, frame.q_heads)
+    MOV(kp, k_rows)
+    kp4 = None
+    if keys > 4:
+        kp4 = gp()
+        LEA(kp4, [kp + kd * 4])
+    chunks = gp()
+    MOV(chunks, frame.full_chunks)
+    with Loop() as full:
+        q = ymms(heads)
+        for h in range(heads):
+            VMOVUPS(q[h], row(qd, hd4, h))
+        for c in range(keys):
+            k = YMMRegister()
+            VCVTPH2PS(k, key_addr(kp, kp4, c))
+            for h in range(heads):
+                VFMADD231PS(accs[h][c], q[h], k)
+        ADD(qd, CHUNK)
+        ADD(kp, CHUNK // 2)
+        if kp4 is not None:
+            ADD(kp4, CHUNK // 2)
+        DEC(chunks)
+        JNZ(full.begin)
+    return accs
+
 
 def emit_scores(heads, frame):
     """Score rows [head][key] = scale * q . k for the row's keys, run by run of its blocks."""
@@ -148,7 +208,7 @@ def emit_scores(heads, frame):
         CMP(run, keys)
         JB(tiles.end)
         with tiles:
-            accs = score_dots(heads, keys, frame, frame.q_heads, k_rows)
+            accs = key_dots(heads, keys, frame, k_rows)
             scale = YMMRegister()
             VBROADCASTSS(scale, frame.scale)
             for h in range(heads):
@@ -156,7 +216,7 @@ def emit_scores(heads, frame):
                 VMULPS(s, s, scale.as_xmm if keys == 4 else scale)
                 VMOVUPS(row(out, stride4, h), s)
             step = gp()
-            MOV(step, frame.hd4)
+            MOV(step, frame.kd)
             IMUL(step, step, keys)
             ADD(k_rows, step)
             ADD(out, keys * FLOAT)
@@ -168,12 +228,12 @@ def emit_scores(heads, frame):
         TEST(run, run)
         JZ(singles.end)
         with singles:
-            accs = score_dots(heads, 1, frame, frame.q_heads, k_rows)
+            accs = key_dots(heads, 1, frame, k_rows)
             for h in range(heads):
                 s = reduce_to_scalar(accs[h][0])
                 VMULSS(s, s, frame.scale)
                 VMOVSS(row(out, stride4, h), s)
-            ADD(k_rows, frame.hd4)
+            ADD(k_rows, frame.kd)
             ADD(out, FLOAT)
             DEC(run)
             JNZ(singles.begin)
@@ -211,20 +271,29 @@ def emit_pv_tile(heads, chunks, masked, frame):
         MOV(key, frame.key)
         MOV(keys_left, frame.keys_left)
         block_row_address(frame, key, frame.v_head, values)
-        ADD(values, frame.offset)
+        offset = gp()
+        MOV(offset, frame.offset)
+        if frame.half:
+            SHR(offset, 1)                           # out's f32 columns -> the arena's halves
+        ADD(values, offset)
         run_length(key, keys_left, run)
         ADD(key, run)
         SUB(keys_left, run)
         MOV(frame.key, key)
         MOV(frame.keys_left, keys_left)
-        MOV(hd4, frame.hd4)
+        MOV(hd4, frame.kd)
         MOV(stride4, frame.stride4)
         with Loop() as keys:
             p = ymms(heads)
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
             for c in range(chunks):
-                if masked:
+                if frame.half:
+                    vm = YMMRegister()
+                    VCVTPH2PS(vm, [values + c * CHUNK // 2])
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], vm)
+                elif masked:
                     vm = YMMRegister()
                     VMASKMOVPS(vm, mask, [values + c * CHUNK])
                     for h in range(heads):
@@ -308,11 +377,12 @@ def emit_pv(heads, frame):
                     emit_pv_tile(heads, chunks, False, frame)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
-        masked = Block()
-        with masked:
-            CMP(frame.tail, 0)
-            JE(masked.end)
-            emit_pv_tile(heads, 1, True, frame)
+        if not frame.half:                           # f16: head_dim % 8 == 0, no tail
+            masked = Block()
+            with masked:
+                CMP(frame.tail, 0)
+                JE(masked.end)
+                emit_pv_tile(heads, 1, True, frame)
 
         first = gp()
         MOV(first, frame.kb_first)
@@ -482,7 +552,8 @@ def emit_setup(frame, args):
     MOV(t, head_dim)
     AND(t, LANES - 1)
     MOV(frame.tail, t)
-    MOV(t, hd4)
+    LEA(t, [head_dim * ARENA_BYTES[frame.arena]])
+    MOV(frame.kd, t)
     SHL(t, LOG2_KV_BLOCK)
     MOV(frame.kv_stride, t)                          # one KV head of a block
     IMUL(t, n_kv)
@@ -496,10 +567,11 @@ def emit_setup(frame, args):
     MOV(frame.table_stride4, t)
 
 
-def emit_attention_paged(isa):
-    fn, args = function(symbol("attention_paged", "f32", "", isa), ATTENTION_SIGNATURE, isa)
+def emit_attention_paged(isa, arena):
+    signature = typed(ATTENTION_SIGNATURE, arena, ("k_arena", "v_arena"))
+    fn, args = function(symbol("attention_paged", arena, "", isa), signature, isa)
     with fn:
-        frame = new_frame()
+        frame = new_frame(arena)
         emit_setup(frame, args)
         with Loop() as rows:
             emit_row_keys(frame)
@@ -513,7 +585,14 @@ def emit_attention_paged(isa):
             SUB(frame.rows_left, 1)
             JNZ(rows.begin)
         RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}", args=ATTENTION_SIGNATURE)
+    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}", args=signature)
+
+
+def typed(signature, arena, names):
+    """``signature`` with the arena arguments ``names`` of the arena's C type."""
+    if arena == "f32":
+        return signature
+    return [(name, ctype.replace("float", "uint16_t") if name in names else ctype) for name, ctype in signature]
 
 
 # ---------------------------------------------------------------- kv_store_paged, gather_rows
@@ -531,26 +610,48 @@ def copy_row(length, src, dst):
     stream(count, [index], step, 4)
 
 
-def emit_kv_store_paged(isa):
+def convert_row(length, src, dst):
+    """dst[0 .. length) = src[0 .. length) rounded to halves (length % 8 == 0)."""
+    count, from_at, to_at = gp(), gp(), gp()
+    MOV(count, length)
+    SHR(count, 3)
+    MOV(from_at, src)
+    MOV(to_at, dst)
+    with Loop() as chunks:
+        value = YMMRegister()
+        VMOVUPS(value, [from_at])
+        VCVTPS2PH([to_at], value, ROUND_NEAREST_EVEN)
+        ADD(from_at, CHUNK)
+        ADD(to_at, CHUNK // 2)
+        DEC(count)
+        JNZ(chunks.begin)
+
+
+def emit_kv_store_paged(isa, arena_type):
     """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
     block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
     arena to the first head; src rows are n_kv heads long, an arena block n_kv heads deep."""
-    fn, args = function(symbol("kv_store_paged", "f32", "", isa), STORE_SIGNATURE, isa)
+    signature = typed(STORE_SIGNATURE, arena_type, ("arena",))
+    fn, args = function(symbol("kv_store_paged", arena_type, "", isa), signature, isa)
     with fn:
         src, positions, row_seq, tables, arena, m, n_heads, head_dim, n_kv, table_stride = load_all(args)
         saved = SimpleNamespace(**{name: LocalVariable(8) for name in
-                                   ("tables", "table_stride4", "n_heads", "block_stride", "src_stride")})
+                                   ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m")})
         MOV(saved.tables, tables)
+        MOV(saved.m, m)
         MOV(saved.n_heads, n_heads)
         SHL(table_stride, 2)
         MOV(saved.table_stride4, table_stride)
-        hd4, head_stride = gp(), gp()
+        hd4, kd, head_stride = gp(), gp(), gp()
         LEA(hd4, [head_dim * FLOAT])
-        MOV(head_stride, hd4)
+        LEA(kd, [head_dim * ARENA_BYTES[arena_type]])      # an arena row's bytes
+        MOV(head_stride, kd)
         SHL(head_stride, LOG2_KV_BLOCK)
+        MOV(saved.src_stride, n_kv)
         IMUL(n_kv, head_stride)
         MOV(saved.block_stride, n_kv)
-        SHR(n_kv, LOG2_KV_BLOCK)                      # src row bytes: n_kv * hd4
+        MOV(n_kv, saved.src_stride)
+        IMUL(n_kv, hd4)                               # src row bytes: n_kv * hd4
         MOV(saved.src_stride, n_kv)
         with Loop() as rows:
             dst, position, t = gp(), gp(), gp()
@@ -563,14 +664,17 @@ def emit_kv_store_paged(isa):
             MOV(dst.as_dword, [t + dst * INDEX])
             IMUL(dst, saved.block_stride)
             AND(position, KV_BLOCK - 1)
-            IMUL(position, hd4)
+            IMUL(position, kd)
             ADD(dst, position)
             ADD(dst, arena)
             src_head, heads_left = gp(), gp()
             MOV(src_head, src)
             MOV(heads_left, saved.n_heads)
             with Loop() as heads:
-                copy_row(head_dim, src_head, dst)
+                if arena_type == "f16":
+                    convert_row(head_dim, src_head, dst)
+                else:
+                    copy_row(head_dim, src_head, dst)
                 ADD(src_head, hd4)
                 ADD(dst, head_stride)
                 DEC(heads_left)
@@ -578,10 +682,10 @@ def emit_kv_store_paged(isa):
             ADD(src, saved.src_stride)
             ADD(positions, INDEX)
             ADD(row_seq, INDEX)
-            DEC(m)
+            SUB(saved.m, 1)
             JNZ(rows.begin)
         RETURN()
-    return Kernel(fn, FAMILY, isa, tile="", args=STORE_SIGNATURE)
+    return Kernel(fn, FAMILY, isa, tile="", args=signature)
 
 
 def emit_gather_rows(isa):
@@ -606,4 +710,5 @@ def emit_gather_rows(isa):
 
 
 def emit(isa):
-    return [emit_kv_store_paged(isa), emit_attention_paged(isa), emit_gather_rows(isa)]
+    return ([emit_kv_store_paged(isa, arena) for arena in ARENA_BYTES]
+            + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_gather_rows(isa)])

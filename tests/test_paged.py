@@ -14,6 +14,10 @@ error d moves out by at most ~2d max|v|, float scores have |d| <= (head_dim/8 + 
 scale sum|q k|, exact (small-integer) scores d = 0; plus 1e-5 max|v| for exp, the sums
 and 1/sum. The kernel is moreover bit-identical to the contiguous ``attention`` kernel over
 the same keys (same passes, same reductions): tested directly.
+
+float16 arenas (head_dim % 8 == 0): bit-identical to the f32 kernel on the rounded values,
+stores rounded as numpy's astype; against the f64 reference on unrounded values the bound
+adds the storage rounding, 2^-11 relative per element (test_f16_arena_long_context_tolerance).
 """
 import numpy as np
 import pytest
@@ -519,3 +523,120 @@ def test_recorded_paged_step_follows_the_indices_in_memory(native, window):
             np.testing.assert_array_equal(out, want)
             np.testing.assert_array_equal(picked, want_picked)
     assert (recorder.plan.records == records).all()
+
+
+# ---------------------------------------------------------------- float16 arenas
+
+def as_f16(arena):
+    return buffers.aligned_copy(arena, np.float16)
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_f16_arena_is_the_f32_kernel_on_rounded_values(native, ref, data):
+    """A float16 arena gives exactly the f32 kernel's bits over the same (rounded) values, and
+    the reference's result on them within the f32 tolerance; kv_store_paged rounds as numpy."""
+    n_head, n_kv, _, step = draw_step(data, window_too=True)
+    head_dim = data.draw(st.sampled_from([8, 16, 64, 80]), label="head_dim")
+    step.shape = step.shape[:3] + (head_dim,)
+    q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
+    keys = [k.astype(np.float16).astype(np.float32) for k in keys]
+    values = [np.clip(v, -6e4, 6e4).astype(np.float16).astype(np.float32) for v in values]
+    k32, v32 = step.arena(keys), step.arena(values)
+    k16, v16 = as_f16(k32), as_f16(v32)
+    scratch = scratch_for(native, step)
+    got16, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
+    args = (step.positions, step.row_seq, step.tables, scale)
+    native.attention_paged(q, k16, v16, *args, got16, scratch, window=step.window)
+    native.attention_paged(q, k32, v32, *args, got32, scratch, window=step.window)
+    ref.attention_paged(q, k16, v16, *args, want, None, window=step.window)
+    np.testing.assert_array_equal(got16, got32)
+    atol = tolerance(q, keys, values, step, scale, exact, n_head // n_kv)
+    assert (np.abs(got16 - want) <= atol).all()
+
+    m = len(q)
+    src = float_arrays(data.draw, (m, n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    stored, expected = buffers.aligned_copy(k16), k16.copy()
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, stored, heads=heads)
+    ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, expected, heads=heads)
+    np.testing.assert_array_equal(stored.view(np.uint16), expected.view(np.uint16))
+
+
+def test_f16_rounding_matches_numpy_at_the_edges(native):
+    """Ties, the largest half, overflow to inf, subnormals, signed zeros, NaN: the bits of
+    numpy's astype(float16)."""
+    edge = np.array([0.0, -0.0, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                     2**-24, 2**-25, 3 * 2**-26, 2**-14 - 2**-25, np.inf, -np.inf, np.nan], np.float32)
+    rng = np.random.default_rng(5)
+    values = np.concatenate([edge, rng.standard_normal(64 - len(edge)).astype(np.float32) * 100])
+    src = buffers.aligned_copy(values.reshape(8, 1, 8))
+    step = Step(rng, 1, 8, [8], [(0, p) for p in range(8)])
+    arena = buffers.zeros(step.shape, np.float16)
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, arena)
+    stored = arena[step.tables[0, 0], 0, :8]
+    with np.errstate(over="ignore"):
+        want = values.reshape(8, 8).astype(np.float16)
+    np.testing.assert_array_equal(stored.view(np.uint16), want.view(np.uint16))
+
+
+def test_f16_arena_rejects_a_head_dim_off_the_chunk(native):
+    step = Step(np.random.default_rng(7), 1, 12, [4], [(0, 3)])
+    arena = buffers.zeros(step.shape, np.float16)
+    q, out = buffers.zeros((1, 2, 12)), buffers.zeros((1, 2, 12))
+    with pytest.raises(ValueError, match="k_arena: a float16 arena needs head_dim % 8 == 0, got head_dim 12"):
+        native.attention_paged(q, arena, arena, step.positions, step.row_seq, step.tables, 1.0, out,
+                               scratch_for(native, step))
+    with pytest.raises(ValueError, match="arena: a float16 arena needs head_dim % 8 == 0"):
+        native.kv_store_paged(buffers.zeros((1, 1, 12)), step.positions, step.row_seq, step.tables, arena)
+
+
+def test_f16_arena_long_context_tolerance(native, ref):
+    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
+    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
+    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
+    rng = np.random.default_rng(6)
+    n_head, n_kv, head_dim, length = 9, 3, 64, 3000
+    keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    rows = [(0, length - 1), (0, 1234), (0, 15)]
+    step = Step(rng, n_kv, head_dim, [length], rows)
+    q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
+    scale = head_dim ** -0.5
+    k32, v32 = step.arena(keys), step.arena(values)
+    k16, v16 = as_f16(k32), as_f16(v32)
+    got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
+    native.attention_paged(q, k16, v16, step.positions, step.row_seq, step.tables, scale, got,
+                           scratch_for(native, step))
+    ref.attention_paged(q, k32, v32, step.positions, step.row_seq, step.tables, scale, want, None)
+    f32_bound = tolerance(q, keys, values, step, scale, False, n_head // n_kv)
+    for i, (_, p) in enumerate(rows):
+        for h in range(n_head):
+            k, v = keys[0][h // 3, :p + 1].astype(np.float64), values[0][h // 3, :p + 1]
+            score_error = 2.0 ** -11 * scale * (np.abs(k) @ np.abs(q[i, h])).max()
+            bound = np.abs(v).max() * (2 * score_error + 2.0 ** -11) + f32_bound[i, h]
+            assert np.abs(got[i, h] - want[i, h]).max() <= bound
+
+
+def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+    keep = []
+    rng = np.random.default_rng(8)
+    n_head, n_kv, head_dim, n_blocks = 4, 2, 64, 3
+    tables = i32(rng.permutation(n_blocks)[None])
+    positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
+    shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
+    k16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    v16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
+    out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
+    want = np.zeros(q.shape)
+    ref.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, want, None)
+    native.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, out,
+                           native.paged_attention_scratch(n_blocks * KV_BLOCK))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
+    arena = before_a_guard_page(np.zeros(shape, np.float16), keep)
+    expected = np.zeros(shape, np.float16)
+    ref.kv_store_paged(src, positions, row_seq, tables, expected)
+    native.kv_store_paged(src, positions, row_seq, tables, arena)
+    np.testing.assert_array_equal(arena, expected)

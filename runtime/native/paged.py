@@ -30,9 +30,14 @@ from ._lib import checked_address, index_range, kernel
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
 
-# Arena dtype -> kernel symbol (the arena's dtype decides the kernel).
-STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2"}
-ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2"}
+# Arena dtype -> kernel symbol (the arena's dtype decides the kernel). An f16 arena is
+# stored rounded to nearest even (numpy's astype) and read exactly: its results are the
+# f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
+STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
+                 np.dtype(np.float16): "llb_kv_store_paged_f16__avx2"}
+ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
+                     np.dtype(np.float16): "llb_attention_paged_f16__avx2"}
+HALF_CHUNK = 8
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
 
 # Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
@@ -59,12 +64,14 @@ def paged_attention_scratch(max_keys):
     return buffers.zeros(scratch_floats(int(max_keys)))
 
 
-def _arena_dtype(name, arena, symbols):
+def _arena_dtype(name, arena, symbols, head_dim):
     if not isinstance(arena, np.ndarray):
         raise ValueError(f"{name}: expected a numpy array, got {type(arena).__name__}")
     if arena.dtype not in symbols:
-        kinds = ", ".join(str(d) for d in symbols)
+        kinds = " or ".join(str(d) for d in symbols)
         raise ValueError(f"{name}: expected dtype {kinds} (an arena type with a kernel), got {arena.dtype}")
+    if arena.dtype == np.float16 and head_dim % HALF_CHUNK:
+        raise ValueError(f"{name}: a float16 arena needs head_dim % {HALF_CHUNK} == 0, got head_dim {head_dim}")
     return arena.dtype
 
 
@@ -104,7 +111,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
     src_at = checked_address("src", src, F32, ndim=3)
     m, n_kv, head_dim = src.shape
     positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
-    dtype = _arena_dtype("arena", arena, STORE_SYMBOLS)
+    dtype = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
     arena_at = checked_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, head_dim), writable=True)
     for name, array in (("src", src), ("positions", positions), ("row_seq", row_seq), ("tables", tables)):
         if np.may_share_memory(array, arena):
@@ -147,7 +154,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
                          heads=None, window=0):
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
-    dtype = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS)
+    dtype = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
     k_at = checked_address("k_arena", k_arena, dtype, ndim=4)
     n_blocks, n_kv, block, k_head_dim = k_arena.shape
     if block != KV_BLOCK:

@@ -19,7 +19,9 @@ for example, run back to back without one.
 Ops that read their indices from memory when they run (rope and kv_store read
 ``positions``, embed reads the token ids) stay valid as the sequence grows;
 ``attention``'s ``pos0`` is a plain argument, so the recorder remembers where
-it lives and ``set_pos0`` patches it in every record with one numpy write.
+it lives and ``set_pos0`` patches it in every record with one numpy write. The paged
+ops (``kv_store_paged``, ``attention_paged``, ``gather_rows``) read every index from
+memory, so their records never need patching.
 """
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from .native import attention as n_attention
 from .native import embed as n_embed
 from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
+from .native import paged as n_paged
 from .native import quant as n_quant
 from .native._lib import index_range
 from .plan import Plan, split_range
@@ -63,6 +66,9 @@ class PlanRecorder:
         self._pos0_slots = ([], [])        # (op handles, int-arg index) of attention's pos0
         self._pending_reads, self._pending_writes = [], []
         self._scratch = [backend.attention_scratch(n_ctx, 1) for _ in range(n_threads)]
+        self._n_ctx = n_ctx
+        self._paged_scratch = [None] * n_threads   # per thread, grown on demand
+        self._keep = []                            # scratches that recorded ops still point at
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):
@@ -172,6 +178,49 @@ class PlanRecorder:
         int_names = [name for name, kind in self._manifest[symbol]["args"] if kind != "float"]
         self._pos0_slots[0].append(handle)
         self._pos0_slots[1].append(int_names.index("pos0"))
+
+    # -- the paged KV cache: indices read from memory when the plan runs, nothing to patch --
+    def kv_store_paged(self, src, positions, row_seq, tables, arena, heads=None):
+        """Split by KV heads (each thread stores its heads of every row, rows in order)."""
+        m, n_kv, hd = src.shape
+        h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
+        calls = self._split(h1 - h0, 1, lambda h: n_paged.kv_store_paged_call(
+            src, positions, row_seq, tables, arena, heads=(h0 + h[0], h0 + h[1])),
+            min_size=64 if m < 8 else 0)
+        self._add(calls, [src, positions, row_seq, tables], [arena],
+                  OpInfo("kv_store_paged", 0, 8.0 * m * (h1 - h0) * hd))
+
+    def _paged_scratch_for(self, thread, max_keys):
+        scratch = self._paged_scratch[thread]
+        if scratch is None or scratch.size < n_paged.scratch_floats(max_keys):
+            if scratch is not None:
+                self._keep.append(scratch)
+            scratch = n_paged.paged_attention_scratch(max(max_keys, self._n_ctx))
+            self._paged_scratch[thread] = scratch
+        return scratch
+
+    def attention_paged(self, q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                        heads=None, window=0):
+        """``scratch`` is ignored (each thread has its own, sized for the tables and window);
+        split by query heads like ``attention``. The cost is estimated at full tables."""
+        m, n_head, hd = q.shape
+        h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
+        chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
+        max_keys = n_paged.most_keys(tables, window) if isinstance(tables, np.ndarray) and tables.ndim == 2 else 1
+        calls = [None if c is None else
+                 n_paged.attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
+                                              self._paged_scratch_for(t, max_keys), heads=(h0 + c[0], h0 + c[1]),
+                                              window=window)
+                 for t, c in enumerate(chunks)]
+        keys = min(max_keys, self._n_ctx)
+        info = OpInfo("attention_paged", 4.0 * (h1 - h0) * hd * keys * m,
+                      8.0 * k_arena.shape[1] * keys * hd * m, window=window)
+        self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [out], info)
+
+    def gather_rows(self, src, rows, out):
+        n = rows.shape[0] if isinstance(rows, np.ndarray) and rows.ndim == 1 else 1
+        calls = self._split(n, 1, lambda r: n_paged.gather_rows_call(src, rows, out, part=r), min_size=8)
+        self._add(calls, [src, rows], [out], OpInfo("gather_rows", 0, 8.0 * out.size))
 
     def quantize_q8(self, x, qs, d, s):
         call = n_quant.quantize_q8_call(x, qs, d, s)

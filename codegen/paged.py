@@ -1,0 +1,714 @@
+"""The paged KV cache's kernels: store this step's K/V rows into their blocks, attend over a
+sequence's blocks, gather the rows the LM head wants (runtime/ref/paged.py defines them).
+
+Every row i of a step reads its position ``positions[i]`` and its sequence ``row_seq[i]``
+from memory when the kernel runs, and key j of that sequence lives in block
+``tables[row_seq[i], j // KV_BLOCK]`` at row ``j % KV_BLOCK``. An arena is
+``[n_blocks, n_kv, KV_BLOCK, head_dim]``: within a block, one KV head's KV_BLOCK rows
+are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
+
+``attention_paged`` is codegen/attention.py's kernel walking the block table: the same
+three passes (scores in heads x keys register tiles, softmax on the score rows, P V in
+key blocks of KEY_BLOCK keys counted from the row's first key), the same reductions in
+the same order. A key's score, the softmax sums and every output sum are therefore
+accumulated in one fixed order that depends only on how many keys the row sees, never
+on where its blocks are, on the other rows of the step or on m: a row gives the same
+bits as a decode row or inside a prefill chunk, and the same bits as the contiguous
+kernel over the same keys. The window is one code path: the row sees the last
+``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
+unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
+
+Score rows live in the caller's scratch, ``MAX_HEADS`` rows of n_keys rounded up to 8
+floats, laid out afresh for every row (the kernel has no argument left to be told the
+scratch's size: ``paged_attention_scratch(max_keys)`` holds any row that sees up to
+max_keys keys). The block table, positions and row_seq are trusted: the binding checks
+everything else, the caller (llambda/kv_pool.py) keeps those in range.
+
+A plan record holds 13 integer arguments; the attention kernel needs 15 values, so two
+pairs of 32-bit values travel packed in one size_t each (low | high << 32):
+``kv_heads`` = n_kv | group << 32 and ``heads`` = h0 | h1 << 32.
+"""
+from types import SimpleNamespace
+
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable, LOAD, Loop, Block,
+                            RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
+                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG,
+                            VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH)
+
+from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
+                        emit_softmax, reduce_to_scalar, reduce_to_scores, row, score_dots)
+from .common import Kernel, function, stream, symbol, tail_mask
+from .contract import KV_BLOCK
+
+FAMILY = "paged"
+LOG2_KV_BLOCK = KV_BLOCK.bit_length() - 1
+assert 1 << LOG2_KV_BLOCK == KV_BLOCK
+INDEX = 4                      # bytes of an int32 position, sequence or block index
+# Arena element types and their bytes. An f16 arena is read with VCVTPH2PS (the exact f32
+# of each stored half, then the same FMAs as f32) and written with VCVTPS2PH (round to
+# nearest even, as numpy's astype): its results are the f32 kernel's on the rounded
+# values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
+ARENA_BYTES = {"f32": 4, "f16": 2}
+ROUND_NEAREST_EVEN = 0
+
+ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
+                       ("out", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
+                       ("row_seq", "const int32_t*"), ("tables", "const int32_t*"),
+                       ("m", "size_t"), ("head_dim", "size_t"), ("kv_heads", "size_t"),
+                       ("table_stride", "size_t"), ("heads", "size_t"),
+                       ("scale", "float"), ("window", "float")]
+# window travels as a float (no integer slot left): exact below 2^24, the binding checks it.
+
+STORE_SIGNATURE = [("src", "const float*"), ("positions", "const int32_t*"), ("row_seq", "const int32_t*"),
+                   ("tables", "const int32_t*"), ("arena", "float*"),
+                   ("m", "size_t"), ("n_heads", "size_t"), ("head_dim", "size_t"), ("n_kv", "size_t"),
+                   ("table_stride", "size_t")]
+
+GATHER_SIGNATURE = [("src", "const float*"), ("rows", "const int32_t*"), ("out", "float*"),
+                    ("n_rows", "size_t"), ("d", "size_t")]
+
+
+def gp():
+    return GeneralPurposeRegister64()
+
+
+def ymms(n):
+    return [YMMRegister() for _ in range(n)]
+
+
+def load_all(args):
+    regs = []
+    for arg in args:
+        reg = gp()
+        LOAD.ARGUMENT(reg, arg)
+        regs.append(reg)
+    return regs
+
+
+def block_row_address(frame, key, head_base, out):
+    """out = head_base + tables_row[key / KV_BLOCK] * block_stride + (key % KV_BLOCK) * hd4:
+    the address of key ``key``'s row of one KV head (``head_base`` is that head in block 0)."""
+    t, table_row = gp(), gp()
+    MOV(t, key)
+    SHR(t, LOG2_KV_BLOCK)
+    MOV(table_row, frame.table_row)
+    MOV(out.as_dword, [table_row + t * INDEX])       # zero-extends: block indices are >= 0
+    IMUL(out, frame.block_stride)
+    MOV(t, key)
+    AND(t, KV_BLOCK - 1)
+    IMUL(t, frame.kd)
+    ADD(out, t)
+    ADD(out, head_base)
+
+
+def run_length(key, keys_left, out):
+    """out = min(KV_BLOCK - key % KV_BLOCK, keys_left): the keys left in key's block."""
+    MOV(out, key)
+    AND(out, KV_BLOCK - 1)
+    NEG(out)
+    ADD(out, KV_BLOCK)
+    CMP(out, keys_left)
+    CMOVA(out, keys_left)
+
+
+# ---------------------------------------------------------------- frame
+
+def new_frame(arena):
+    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32)."""
+    names = ["q_row", "out_row", "rows_left", "positions", "row_seq", "tables", "table_stride4",
+             "table_row", "first", "n_keys", "window1", "h", "h1", "kv", "group_end", "group",
+             "k", "v", "block_stride", "kv_stride", "row_stride", "hd4", "full_chunks", "tail",
+             "stride4", "scores", "q_heads", "k_head", "v_head", "out_heads", "heads_count", "h0",
+             "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd"]
+    frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
+    frame.scale = LocalVariable(4)
+    frame.arena = arena
+    frame.half = arena == "f16"
+    return frame
+
+
+# ---------------------------------------------------------------- pass 1: scores
+
+def key_dots(heads, keys, frame, k_rows):
+    """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
+    order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
+    if not frame.half:
+        return score_dots(heads, keys, frame, frame.q_heads, k_rows)
+    hd4, kd = gp(), gp()
+    MOV(hd4, frame.hd4)
+    MOV(kd, frame.kd)
+    if keys > 3:
+        kd3 = gp()
+        LEA(kd3, [kd + kd * 2])
+
+    def key_addr(base_lo, base_hi, key):
+        base = base_lo if key < 4 else base_hi
+        index = key % 4
+        if index == 0:
+            return [base]
+        if index == 3:
+            return [base + kd3 * 1]
+        return [base + kd * index]
+
+    accs = [ymms(keys) for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    qd, kp = gp(), gp()
+    MOV(qd, frame.q_heads)
+    MOV(kp, k_rows)
+    kp4 = None
+    if keys > 4:
+        kp4 = gp()
+        LEA(kp4, [kp + kd * 4])
+    chunks = gp()
+    MOV(chunks, frame.full_chunks)
+    with Loop() as full:
+        q = ymms(heads)
+        for h in range(heads):
+            VMOVUPS(q[h], row(qd, hd4, h))
+        for c in range(keys):
+            k = YMMRegister()
+            VCVTPH2PS(k, key_addr(kp, kp4, c))
+            for h in range(heads):
+                VFMADD231PS(accs[h][c], q[h], k)
+        ADD(qd, CHUNK)
+        ADD(kp, CHUNK // 2)
+        if kp4 is not None:
+            ADD(kp4, CHUNK // 2)
+        DEC(chunks)
+        JNZ(full.begin)
+    return accs
+
+
+def emit_scores(heads, frame):
+    """Score rows [head][key] = scale * q . k for the row's keys, run by run of its blocks."""
+    keys = SCORE_KEYS[heads]
+    t = gp()
+    MOV(t, frame.first)
+    MOV(frame.key, t)
+    MOV(t, frame.n_keys)
+    MOV(frame.keys_left, t)
+    out = gp()
+    MOV(out, frame.scores)
+    with Loop() as runs:
+        k_rows, run, key, keys_left = gp(), gp(), gp(), gp()
+        MOV(key, frame.key)
+        MOV(keys_left, frame.keys_left)
+        block_row_address(frame, key, frame.k_head, k_rows)
+        run_length(key, keys_left, run)
+        ADD(key, run)
+        SUB(keys_left, run)
+        MOV(frame.key, key)
+        MOV(frame.keys_left, keys_left)
+
+        stride4 = gp()
+        MOV(stride4, frame.stride4)
+        tiles = Loop()
+        CMP(run, keys)
+        JB(tiles.end)
+        with tiles:
+            accs = key_dots(heads, keys, frame, k_rows)
+            scale = YMMRegister()
+            VBROADCASTSS(scale, frame.scale)
+            for h in range(heads):
+                s = reduce_to_scores(accs[h])
+                VMULPS(s, s, scale.as_xmm if keys == 4 else scale)
+                VMOVUPS(row(out, stride4, h), s)
+            step = gp()
+            MOV(step, frame.kd)
+            IMUL(step, step, keys)
+            ADD(k_rows, step)
+            ADD(out, keys * FLOAT)
+            SUB(run, keys)
+            CMP(run, keys)
+            JAE(tiles.begin)
+
+        singles = Loop()
+        TEST(run, run)
+        JZ(singles.end)
+        with singles:
+            accs = key_dots(heads, 1, frame, k_rows)
+            for h in range(heads):
+                s = reduce_to_scalar(accs[h][0])
+                VMULSS(s, s, frame.scale)
+                VMOVSS(row(out, stride4, h), s)
+            ADD(k_rows, frame.kd)
+            ADD(out, FLOAT)
+            DEC(run)
+            JNZ(singles.begin)
+        CMP(frame.keys_left, 0)
+        JNE(runs.begin)
+
+
+# ---------------------------------------------------------------- pass 3: out = P V
+
+def emit_pv_tile(heads, chunks, masked, frame):
+    """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
+    the key block's V rows found run by run through the block table. The first key block
+    stores, later blocks add to what out holds (as codegen/attention.py)."""
+    accs = [ymms(chunks) for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    probs, t = gp(), gp()
+    MOV(probs, frame.kb_first)
+    SHL(probs, 2)
+    ADD(probs, frame.scores)
+    MOV(t, frame.kb_first)
+    ADD(t, frame.first)
+    MOV(frame.key, t)
+    MOV(t, frame.kb_keys)
+    MOV(frame.keys_left, t)
+    mask = None
+    if masked:
+        tail = gp()
+        MOV(tail, frame.tail)
+        mask = YMMRegister()
+        tail_mask(mask, tail)
+
+    with Loop() as runs:
+        values, run, key, keys_left, hd4, stride4 = gp(), gp(), gp(), gp(), gp(), gp()
+        MOV(key, frame.key)
+        MOV(keys_left, frame.keys_left)
+        block_row_address(frame, key, frame.v_head, values)
+        offset = gp()
+        MOV(offset, frame.offset)
+        if frame.half:
+            SHR(offset, 1)                           # out's f32 columns -> the arena's halves
+        ADD(values, offset)
+        run_length(key, keys_left, run)
+        ADD(key, run)
+        SUB(keys_left, run)
+        MOV(frame.key, key)
+        MOV(frame.keys_left, keys_left)
+        MOV(hd4, frame.kd)
+        MOV(stride4, frame.stride4)
+        with Loop() as keys:
+            p = ymms(heads)
+            for h in range(heads):
+                VBROADCASTSS(p[h], row(probs, stride4, h))
+            for c in range(chunks):
+                if frame.half:
+                    vm = YMMRegister()
+                    VCVTPH2PS(vm, [values + c * CHUNK // 2])
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], vm)
+                elif masked:
+                    vm = YMMRegister()
+                    VMASKMOVPS(vm, mask, [values + c * CHUNK])
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], vm)
+                else:
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], [values + c * CHUNK])
+            ADD(probs, FLOAT)
+            ADD(values, hd4)
+            DEC(run)
+            JNZ(keys.begin)
+        CMP(frame.keys_left, 0)
+        JNE(runs.begin)
+
+    out, hd4 = gp(), gp()
+    MOV(hd4, frame.hd4)
+    MOV(out, frame.out_heads)
+    ADD(out, frame.offset)
+    accumulate = Block()
+    with accumulate:
+        CMP(frame.kb_first, 0)
+        JE(accumulate.end)
+        for h in range(heads):
+            for c in range(chunks):
+                if masked:
+                    old = YMMRegister()
+                    VMASKMOVPS(old, mask, row(out, hd4, h, c * CHUNK))
+                    VADDPS(accs[h][c], accs[h][c], old)
+                else:
+                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * CHUNK))
+    for h in range(heads):
+        for c in range(chunks):
+            if masked:
+                VMASKMOVPS(row(out, hd4, h, c * CHUNK), mask, accs[h][c])
+            else:
+                VMOVUPS(row(out, hd4, h, c * CHUNK), accs[h][c])
+
+
+def advance_offset(frame, chunks):
+    t = gp()
+    MOV(t, frame.offset)
+    ADD(t, chunks * CHUNK)
+    MOV(frame.offset, t)
+
+
+def emit_pv(heads, frame):
+    tile = PV_CHUNKS[heads]
+    t = gp()
+    MOV(frame.kb_first, 0)
+    with Loop() as key_blocks:
+        block_keys, limit = gp(), gp()
+        MOV(block_keys, frame.n_keys)
+        SUB(block_keys, frame.kb_first)
+        MOV(limit, KEY_BLOCK)
+        CMP(block_keys, limit)
+        CMOVA(block_keys, limit)
+        MOV(frame.kb_keys, block_keys)
+
+        MOV(frame.offset, 0)
+        MOV(t, frame.full_chunks)
+        MOV(frame.chunks_left, t)
+        full_tiles = Loop()
+        CMP(frame.chunks_left, tile)
+        JB(full_tiles.end)
+        with full_tiles:
+            emit_pv_tile(heads, tile, False, frame)
+            advance_offset(frame, tile)
+            left = gp()
+            MOV(left, frame.chunks_left)
+            SUB(left, tile)
+            MOV(frame.chunks_left, left)
+            CMP(left, tile)
+            JAE(full_tiles.begin)
+        remainder = Block()
+        with remainder:
+            for chunks in range(1, tile):
+                narrower = Block()
+                with narrower:
+                    CMP(frame.chunks_left, chunks)
+                    JNE(narrower.end)
+                    emit_pv_tile(heads, chunks, False, frame)
+                    advance_offset(frame, chunks)
+                    JMP(remainder.end)
+        if not frame.half:                           # f16: head_dim % 8 == 0, no tail
+            masked = Block()
+            with masked:
+                CMP(frame.tail, 0)
+                JE(masked.end)
+                emit_pv_tile(heads, 1, True, frame)
+
+        first = gp()
+        MOV(first, frame.kb_first)
+        ADD(first, KEY_BLOCK)
+        MOV(frame.kb_first, first)
+        CMP(first, frame.n_keys)
+        JB(key_blocks.begin)
+
+
+# ---------------------------------------------------------------- the attention driver
+
+def emit_heads(frame):
+    """The next min(MAX_HEADS, heads left, heads left in the KV group) heads of this row."""
+    count, heads_left, group_left = gp(), gp(), gp()
+    MOV(heads_left, frame.h1)
+    SUB(heads_left, frame.h)
+    MOV(group_left, frame.group_end)
+    SUB(group_left, frame.h)
+    MOV(count, MAX_HEADS)
+    CMP(count, heads_left)
+    CMOVA(count, heads_left)
+    CMP(count, group_left)
+    CMOVA(count, group_left)
+    MOV(frame.heads_count, count)
+    done = Block()
+    with done:
+        for heads in range(1, MAX_HEADS + 1):
+            variant = Block()
+            with variant:
+                if heads < MAX_HEADS:
+                    CMP(count, heads)
+                    JNE(variant.end)
+                emit_scores(heads, frame)
+                emit_softmax(heads, frame)
+                emit_pv(heads, frame)
+                JMP(done.end)
+
+
+def emit_head_pointers(frame):
+    """q, out of heads h.. of this row; K, V of their KV head in block 0."""
+    head_offset, kv_offset, p = gp(), gp(), gp()
+    MOV(head_offset, frame.h)
+    IMUL(head_offset, frame.hd4)
+    MOV(p, frame.q_row)
+    ADD(p, head_offset)
+    MOV(frame.q_heads, p)
+    MOV(p, frame.out_row)
+    ADD(p, head_offset)
+    MOV(frame.out_heads, p)
+    MOV(kv_offset, frame.kv)
+    IMUL(kv_offset, frame.kv_stride)
+    MOV(p, frame.k)
+    ADD(p, kv_offset)
+    MOV(frame.k_head, p)
+    MOV(p, frame.v)
+    ADD(p, kv_offset)
+    MOV(frame.v_head, p)
+
+
+def emit_row_keys(frame):
+    """This row's keys, block table and score-row stride, from positions / row_seq in memory."""
+    position, seq, n1, t = gp(), gp(), gp(), gp()
+    MOV(t, frame.positions)
+    MOV(position.as_dword, [t])                      # zero-extends: positions are >= 0
+    MOV(t, frame.row_seq)
+    MOV(seq.as_dword, [t])
+    IMUL(seq, frame.table_stride4)
+    ADD(seq, frame.tables)
+    MOV(frame.table_row, seq)
+    MOV(n1, frame.window1)                           # n_keys - 1 = min(p, window - 1)
+    CMP(n1, position)
+    CMOVA(n1, position)
+    SUB(position, n1)
+    MOV(frame.first, position)
+    LEA(t, [n1 + 1])
+    MOV(frame.n_keys, t)
+    LEA(t, [n1 + LANES])                             # score rows: n_keys rounded up to 8 floats
+    AND(t, -LANES)
+    SHL(t, 2)
+    MOV(frame.stride4, t)
+
+
+def emit_row(frame):
+    """Heads h0..h1-1 of the current row, MAX_HEADS of a KV group at a time."""
+    t = gp()
+    for slot, start in ((frame.h, frame.h0), (frame.kv, frame.kv0), (frame.group_end, frame.group_end0)):
+        MOV(t, start)
+        MOV(slot, t)
+    with Loop() as head_groups:
+        emit_head_pointers(frame)
+        emit_heads(frame)
+        h = gp()
+        MOV(h, frame.h)
+        ADD(h, frame.heads_count)
+        MOV(frame.h, h)
+        next_kv = Block()
+        with next_kv:
+            CMP(h, frame.group_end)
+            JNE(next_kv.end)
+            ADD(frame.kv, 1)
+            group = gp()
+            MOV(group, frame.group)
+            ADD(frame.group_end, group)
+        CMP(h, frame.h1)
+        JB(head_groups.begin)
+
+
+def low_high(packed, low, high):
+    """Unpack ``packed`` = low | high << 32 into two registers."""
+    MOV(low.as_dword, packed.as_dword)               # zero-extends
+    MOV(high, packed)
+    SHR(high, 32)
+
+
+def emit_setup(frame, args):
+    by_name = {a.name: a for a in args}
+
+    def load(name):
+        reg = gp()
+        LOAD.ARGUMENT(reg, by_name[name])
+        return reg
+
+    for name, slot in (("q", frame.q_row), ("k_arena", frame.k), ("v_arena", frame.v),
+                       ("out", frame.out_row), ("scratch", frame.scores), ("positions", frame.positions),
+                       ("row_seq", frame.row_seq), ("tables", frame.tables), ("m", frame.rows_left)):
+        MOV(slot, load(name))
+    scale = YMMRegister()
+    LOAD.ARGUMENT(scale.as_xmm, by_name["scale"])
+    VMOVSS(frame.scale, scale.as_xmm)
+    window_f, window = YMMRegister(), gp()
+    LOAD.ARGUMENT(window_f.as_xmm, by_name["window"])
+    VCVTTSS2SI(window, window_f.as_xmm)
+    SUB(window, 1)                                   # window 0 (unlimited) wraps to 2^64 - 1
+    MOV(frame.window1, window)
+
+    packed = load("kv_heads")
+    n_kv, group = gp(), gp()
+    low_high(packed, n_kv, group)
+    MOV(frame.group, group)
+    packed = load("heads")
+    h0, h1 = gp(), gp()
+    low_high(packed, h0, h1)
+    MOV(frame.h0, h0)
+    MOV(frame.h1, h1)
+    # kv0 = h0 // group by counting (no DIV: its implicit rax/rdx are invisible to PeachPy)
+    kv0, group_start = gp(), gp()
+    XOR(kv0, kv0)
+    MOV(group_start, frame.group)
+    with Loop() as count_groups:
+        CMP(group_start, frame.h0)
+        JA(count_groups.end)
+        ADD(kv0, 1)
+        ADD(group_start, frame.group)
+        JMP(count_groups.begin)
+    MOV(frame.kv0, kv0)
+    group_end = gp()
+    LEA(group_end, [kv0 + 1])
+    IMUL(group_end, frame.group)
+    MOV(frame.group_end0, group_end)
+
+    head_dim, t, hd4 = load("head_dim"), gp(), gp()
+    LEA(hd4, [head_dim * FLOAT])
+    MOV(frame.hd4, hd4)
+    MOV(t, head_dim)
+    SHR(t, 3)
+    MOV(frame.full_chunks, t)
+    MOV(t, head_dim)
+    AND(t, LANES - 1)
+    MOV(frame.tail, t)
+    LEA(t, [head_dim * ARENA_BYTES[frame.arena]])
+    MOV(frame.kd, t)
+    SHL(t, LOG2_KV_BLOCK)
+    MOV(frame.kv_stride, t)                          # one KV head of a block
+    IMUL(t, n_kv)
+    MOV(frame.block_stride, t)
+    MOV(t, group)                                    # q, out rows: n_head = n_kv * group heads
+    IMUL(t, n_kv)
+    IMUL(t, hd4)
+    MOV(frame.row_stride, t)
+    t = load("table_stride")
+    SHL(t, 2)
+    MOV(frame.table_stride4, t)
+
+
+def emit_attention_paged(isa, arena):
+    signature = typed(ATTENTION_SIGNATURE, arena, ("k_arena", "v_arena"))
+    fn, args = function(symbol("attention_paged", arena, "", isa), signature, isa)
+    with fn:
+        frame = new_frame(arena)
+        emit_setup(frame, args)
+        with Loop() as rows:
+            emit_row_keys(frame)
+            emit_row(frame)
+            step = gp()
+            MOV(step, frame.row_stride)
+            ADD(frame.q_row, step)
+            ADD(frame.out_row, step)
+            ADD(frame.positions, INDEX)
+            ADD(frame.row_seq, INDEX)
+            SUB(frame.rows_left, 1)
+            JNZ(rows.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}", args=signature)
+
+
+def typed(signature, arena, names):
+    """``signature`` with the arena arguments ``names`` of the arena's C type."""
+    if arena == "f32":
+        return signature
+    return [(name, ctype.replace("float", "uint16_t") if name in names else ctype) for name, ctype in signature]
+
+
+# ---------------------------------------------------------------- kv_store_paged, gather_rows
+
+def copy_row(length, src, dst):
+    """dst[0 .. length) = src[0 .. length) floats (masked tail: nothing past either row touched)."""
+    count, index = gp(), gp()
+    MOV(count, length)
+    XOR(index.as_dword, index.as_dword)
+
+    def step(v):
+        value = YMMRegister()
+        v.load(value, src)
+        v.store(dst, value)
+    stream(count, [index], step, 4)
+
+
+def convert_row(length, src, dst):
+    """dst[0 .. length) = src[0 .. length) rounded to halves (length % 8 == 0)."""
+    count, from_at, to_at = gp(), gp(), gp()
+    MOV(count, length)
+    SHR(count, 3)
+    MOV(from_at, src)
+    MOV(to_at, dst)
+    with Loop() as chunks:
+        value = YMMRegister()
+        VMOVUPS(value, [from_at])
+        VCVTPS2PH([to_at], value, ROUND_NEAREST_EVEN)
+        ADD(from_at, CHUNK)
+        ADD(to_at, CHUNK // 2)
+        DEC(count)
+        JNZ(chunks.begin)
+
+
+def emit_kv_store_paged(isa, arena_type):
+    """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
+    block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
+    arena to the first head; src rows are n_kv heads long, an arena block n_kv heads deep."""
+    signature = typed(STORE_SIGNATURE, arena_type, ("arena",))
+    fn, args = function(symbol("kv_store_paged", arena_type, "", isa), signature, isa)
+    with fn:
+        src, positions, row_seq, tables, arena, m, n_heads, head_dim, n_kv, table_stride = load_all(args)
+        saved = SimpleNamespace(**{name: LocalVariable(8) for name in
+                                   ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m")})
+        MOV(saved.tables, tables)
+        MOV(saved.m, m)
+        MOV(saved.n_heads, n_heads)
+        SHL(table_stride, 2)
+        MOV(saved.table_stride4, table_stride)
+        hd4, kd, head_stride = gp(), gp(), gp()
+        LEA(hd4, [head_dim * FLOAT])
+        LEA(kd, [head_dim * ARENA_BYTES[arena_type]])      # an arena row's bytes
+        MOV(head_stride, kd)
+        SHL(head_stride, LOG2_KV_BLOCK)
+        MOV(saved.src_stride, n_kv)
+        IMUL(n_kv, head_stride)
+        MOV(saved.block_stride, n_kv)
+        MOV(n_kv, saved.src_stride)
+        IMUL(n_kv, hd4)                               # src row bytes: n_kv * hd4
+        MOV(saved.src_stride, n_kv)
+        with Loop() as rows:
+            dst, position, t = gp(), gp(), gp()
+            MOV(position.as_dword, [positions])
+            MOV(t.as_dword, [row_seq])
+            IMUL(t, saved.table_stride4)
+            ADD(t, saved.tables)
+            MOV(dst, position)
+            SHR(dst, LOG2_KV_BLOCK)
+            MOV(dst.as_dword, [t + dst * INDEX])
+            IMUL(dst, saved.block_stride)
+            AND(position, KV_BLOCK - 1)
+            IMUL(position, kd)
+            ADD(dst, position)
+            ADD(dst, arena)
+            src_head, heads_left = gp(), gp()
+            MOV(src_head, src)
+            MOV(heads_left, saved.n_heads)
+            with Loop() as heads:
+                if arena_type == "f16":
+                    convert_row(head_dim, src_head, dst)
+                else:
+                    copy_row(head_dim, src_head, dst)
+                ADD(src_head, hd4)
+                ADD(dst, head_stride)
+                DEC(heads_left)
+                JNZ(heads.begin)
+            ADD(src, saved.src_stride)
+            ADD(positions, INDEX)
+            ADD(row_seq, INDEX)
+            SUB(saved.m, 1)
+            JNZ(rows.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile="", args=signature)
+
+
+def emit_gather_rows(isa):
+    """out[r] = src[rows[r]] for r < n_rows, rows of d floats."""
+    fn, args = function(symbol("gather_rows", "f32", "", isa), GATHER_SIGNATURE, isa)
+    with fn:
+        src, rows, out, n_rows, d = load_all(args)
+        d4 = gp()
+        LEA(d4, [d * FLOAT])
+        with Loop() as loop:
+            from_row = gp()
+            MOV(from_row.as_dword, [rows])
+            IMUL(from_row, d4)
+            ADD(from_row, src)
+            copy_row(d, from_row, out)
+            ADD(out, d4)
+            ADD(rows, INDEX)
+            DEC(n_rows)
+            JNZ(loop.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile="", args=GATHER_SIGNATURE)
+
+
+def emit(isa):
+    return ([emit_kv_store_paged(isa, arena) for arena in ARENA_BYTES]
+            + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_gather_rows(isa)])

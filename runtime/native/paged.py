@@ -1,0 +1,214 @@
+"""Bindings: the paged KV cache's kernels (codegen/paged.py), the same ops and signatures as
+runtime/ref/paged.py.
+
+    kv_store_paged(src, positions, row_seq, tables, arena, heads=None)
+    attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                    heads=None, window=0)
+    gather_rows(src, rows, out)
+    paged_attention_scratch(max_keys)
+
+Each ``*_call`` twin validates and returns ``(symbol, args)`` for a plan (the recorder
+splits kv_store_paged by KV heads, attention_paged by query heads, gather_rows by rows).
+
+What is checked here: shapes, dtypes, strides, alignment, that outputs overlap no input,
+the head / row ranges and the window. What cannot be: the *contents* of positions,
+row_seq, tables and rows, which a plan reads when it runs (they are written after the
+plan is recorded). The caller (llambda/kv_pool.py) guarantees, for every row i < m:
+0 <= row_seq[i] < n_tables, 0 <= positions[i] < max_blocks * KV_BLOCK, and every block
+index tables[row_seq[i], j // KV_BLOCK] of a key j the row touches is in [0, n_blocks);
+for gather_rows, 0 <= rows[r] < m. ``llambda.runtime.step_indices.check_step_indices``
+checks exactly that (debug runs and tests). The scratch is checked against the most keys
+any valid row can see (max_blocks * KV_BLOCK, or the window), so valid indices never
+overrun it.
+"""
+import numpy as np
+
+from ...codegen.contract import KV_BLOCK
+from .. import buffers
+from .. import validate as v
+from ._lib import checked_address, index_range, kernel
+
+__all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
+
+# Arena dtype -> kernel symbol (the arena's dtype decides the kernel). An f16 arena is
+# stored rounded to nearest even (numpy's astype) and read exactly: its results are the
+# f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
+STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
+                 np.dtype(np.float16): "llb_kv_store_paged_f16__avx2"}
+ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
+                     np.dtype(np.float16): "llb_attention_paged_f16__avx2"}
+HALF_CHUNK = 8
+GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
+
+# Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
+# together, each with one score row; the kernel lays a row's score rows n_keys rounded up to
+# 8 floats apart, so MAX_HEADS rows of max_keys rounded up to LANES floats hold any row.
+MAX_HEADS = 3
+LANES = 16
+MAX_EXACT_WINDOW = 2 ** 24          # the window travels as a float32
+PACKED_MAX = 2 ** 32                # heads and (n_kv, group) travel as two 32-bit halves
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def scratch_floats(max_keys):
+    return MAX_HEADS * (-(-max_keys // LANES) * LANES)
+
+
+def paged_attention_scratch(max_keys):
+    """The scratch one thread passes to every ``attention_paged`` call: score rows for rows that
+    see up to ``max_keys`` keys (aligned; the same size as the reference's)."""
+    if isinstance(max_keys, bool) or not isinstance(max_keys, (int, np.integer)) or max_keys < 1:
+        raise ValueError(f"max_keys: expected a positive integer, got {max_keys!r}")
+    return buffers.zeros(scratch_floats(int(max_keys)))
+
+
+def _arena_dtype(name, arena, symbols, head_dim):
+    if not isinstance(arena, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(arena).__name__}")
+    if arena.dtype not in symbols:
+        kinds = " or ".join(str(d) for d in symbols)
+        raise ValueError(f"{name}: expected dtype {kinds} (an arena type with a kernel), got {arena.dtype}")
+    if arena.dtype == np.float16 and head_dim % HALF_CHUNK:
+        raise ValueError(f"{name}: a float16 arena needs head_dim % {HALF_CHUNK} == 0, got head_dim {head_dim}")
+    return arena.dtype
+
+
+def _step_indices(positions, row_seq, tables, m):
+    """Addresses of positions, row_seq [m] and tables [n_tables, max_blocks], all int32."""
+    positions_at = checked_address("positions", positions, I32, (m,), align=4)
+    row_seq_at = checked_address("row_seq", row_seq, I32, (m,), align=4)
+    tables_at = checked_address("tables", tables, I32, ndim=2, align=4)
+    return positions_at, row_seq_at, tables_at
+
+
+def _check_disjoint(written_name, written, others):
+    for name, other in others:
+        if np.may_share_memory(written, other):
+            raise ValueError(f"{written_name}: overlaps {name} (the kernel writes it while reading {name})")
+
+
+def _non_negative_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+# ---------------------------------------------------------------- kv_store_paged
+
+def kv_store_paged(src, positions, row_seq, tables, arena, heads=None):
+    """arena[block, h, p % KV_BLOCK, :] = src[i, h, :], p = positions[i],
+    block = tables[row_seq[i], p // KV_BLOCK], rows in order (the later wins a shared slot),
+    KV heads h in heads=(h0, h1) (default all). src f32 [m, n_kv, head_dim]; positions,
+    row_seq int32 [m]; tables int32 [n_tables, max_blocks]; arena [n_blocks, n_kv, KV_BLOCK,
+    head_dim]. Index contents are the caller's to keep in range (module docstring)."""
+    symbol, args = kv_store_paged_call(src, positions, row_seq, tables, arena, heads)
+    kernel(symbol)(*args)
+
+
+def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
+    src_at = checked_address("src", src, F32, ndim=3)
+    m, n_kv, head_dim = src.shape
+    positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
+    dtype = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
+    arena_at = checked_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, head_dim), writable=True)
+    for name, array in (("src", src), ("positions", positions), ("row_seq", row_seq), ("tables", tables)):
+        if np.may_share_memory(array, arena):
+            raise ValueError(f"arena: overlaps {name}, which the kernel reads while writing the arena")
+    h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
+    return STORE_SYMBOLS[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
+                                  arena_at + dtype.itemsize * KV_BLOCK * head_dim * h0,
+                                  m, h1 - h0, head_dim, n_kv, tables.shape[1]]
+
+
+# ---------------------------------------------------------------- attention_paged
+
+def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                    heads=None, window=0):
+    """out[i, h] = softmax_j(scale * q[i, h] . k_j) @ v_j over the keys row i sees in its
+    sequence: j <= p = positions[i], and p - j < window when window > 0;
+    kv = h // (n_head // n_kv). q, out f32 [m, n_head, head_dim]; arenas as in
+    ``kv_store_paged``; scratch from ``paged_attention_scratch(max_keys)`` with max_keys at
+    least max_blocks * KV_BLOCK (or the window); heads=(h0, h1) computes only those query heads
+    (out's others untouched). Index contents are the caller's to keep in range."""
+    symbol, args = attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                                        heads, window)
+    kernel(symbol)(*args)
+
+
+def _float32_scale(value):
+    value = v.finite_float("scale", value)
+    if abs(value) > F32_MAX:
+        raise ValueError(f"scale: {value!r} overflows float32")
+    return value
+
+
+def most_keys(tables, window):
+    """The most keys a row can see: its table's max_blocks * KV_BLOCK, or the window."""
+    keys = tables.shape[1] * KV_BLOCK
+    return min(keys, window) if window else keys
+
+
+def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
+                         heads=None, window=0):
+    q_at = checked_address("q", q, F32, ndim=3)
+    m, n_head, head_dim = q.shape
+    dtype = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
+    k_at = checked_address("k_arena", k_arena, dtype, ndim=4)
+    n_blocks, n_kv, block, k_head_dim = k_arena.shape
+    if block != KV_BLOCK:
+        raise ValueError(f"k_arena: blocks of {block} rows, expected KV_BLOCK = {KV_BLOCK} "
+                         f"(shape [n_blocks, n_kv, {KV_BLOCK}, head_dim], got {k_arena.shape})")
+    if k_head_dim != head_dim:
+        raise ValueError(f"k_arena: head_dim {k_head_dim} differs from q's {head_dim}")
+    v_at = checked_address("v_arena", v_arena, dtype, k_arena.shape)
+    if n_head % n_kv:
+        raise ValueError(f"k_arena: {n_kv} KV heads do not divide q's {n_head} query heads")
+    if n_head >= PACKED_MAX:
+        raise ValueError(f"q: {n_head} heads, at most {PACKED_MAX - 1}")
+    positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
+    scale = _float32_scale(scale)
+    window = _non_negative_int("window", window)
+    if window >= tables.shape[1] * KV_BLOCK:
+        window = 0                 # no row of these tables can look back that far: unlimited
+    if window >= MAX_EXACT_WINDOW:
+        raise ValueError(f"window: {window} is not below {MAX_EXACT_WINDOW} (the kernel receives it as a float32)")
+    out_at = checked_address("out", out, F32, q.shape, writable=True)
+    scratch_at = checked_address("scratch", scratch, F32, ndim=1, writable=True)
+    need = scratch_floats(most_keys(tables, window))
+    if scratch.size < need:
+        raise ValueError(f"scratch: {scratch.size} floats, need {need} for rows seeing up to "
+                         f"{most_keys(tables, window)} keys (tables' {tables.shape[1]} blocks of {KV_BLOCK}"
+                         f"{f', window {window}' if window else ''}); "
+                         "allocate it with paged_attention_scratch(max_keys)")
+    h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
+    inputs = [("q", q), ("k_arena", k_arena), ("v_arena", v_arena), ("positions", positions),
+              ("row_seq", row_seq), ("tables", tables)]
+    _check_disjoint("out", out, inputs + [("scratch", scratch)])
+    _check_disjoint("scratch", scratch, inputs)
+    group = n_head // n_kv
+    return ATTENTION_SYMBOLS[dtype], [q_at, k_at, v_at, out_at, scratch_at, positions_at, row_seq_at, tables_at,
+                                      m, head_dim, n_kv | group << 32, tables.shape[1], h0 | h1 << 32,
+                                      scale, float(window)]
+
+
+# ---------------------------------------------------------------- gather_rows
+
+def gather_rows(src, rows, out):
+    """out[r] = src[rows[r]] for r < len(rows). src f32 [m, d]; rows int32 [h] (read when the
+    op runs, each < m: the caller's to keep); out f32 [h, d]."""
+    symbol, args = gather_rows_call(src, rows, out)
+    kernel(symbol)(*args)
+
+
+def gather_rows_call(src, rows, out, part=None):
+    """``part=(r0, r1)``: only out rows r0..r1-1 (a thread's share)."""
+    src_at = checked_address("src", src, F32, ndim=2)
+    d = src.shape[1]
+    rows_at = checked_address("rows", rows, I32, ndim=1, align=4)
+    n = rows.shape[0]
+    out_at = checked_address("out", out, F32, (n, d), writable=True)
+    _check_disjoint("out", out, [("src", src), ("rows", rows)])
+    r0, r1 = index_range("part", part, n, labels=("r0", "r1"))
+    return GATHER_SYMBOL, [src_at, rows_at + I32.itemsize * r0, out_at + F32.itemsize * d * r0, r1 - r0, d]

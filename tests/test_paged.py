@@ -1,0 +1,642 @@
+"""The paged KV cache's kernels (runtime/native/paged.py) against runtime/ref/paged.py.
+
+Every step mixes sequences: 1..3 sequences whose blocks are a shuffled, non-contiguous
+subset of the arena; rows (m 1..~20) each pick a sequence and a position, so decode rows
+and prefill chunks share one call. Shapes: (n_head, n_kv) with groups of 1, 2, 3, 4 and
+6 (every head tile, and a group split across tiles); head_dim 1, 7, 8, 9, 64, 65, 80
+(masked tails, whole chunks, both); sequence lengths 1, KV_BLOCK - 1 .. KV_BLOCK + 1 and
+up to ~300 (many blocks, the P V key blocks of 64). Arena rows no row may read (past a
+sequence's end, before every window, blocks of no sequence) are NaN, so a stray read
+shows; out starts NaN, so an unwritten element shows.
+
+Tolerance (attention): as tests/test_attention.py, from the score error bound: a score
+error d moves out by at most ~2d max|v|, float scores have |d| <= (head_dim/8 + 5) u
+scale sum|q k|, exact (small-integer) scores d = 0; plus 1e-5 max|v| for exp, the sums
+and 1/sum. The kernel is moreover bit-identical to the contiguous ``attention`` kernel over
+the same keys (same passes, same reductions): tested directly.
+
+float16 arenas (head_dim % 8 == 0): bit-identical to the f32 kernel on the rounded values,
+stores rounded as numpy's astype; against the f64 reference on unrounded values the bound
+adds the storage rounding, 2^-11 relative per element (test_f16_arena_long_context_tolerance).
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import before_a_guard_page, float_arrays, misaligned, nan_buffer
+from llambda.codegen.contract import KV_BLOCK
+from llambda.runtime import buffers
+from llambda.runtime.step_indices import check_step_indices
+
+HEAD_CONFIGS = [(1, 1), (2, 1), (4, 2), (9, 3), (6, 1), (4, 1), (3, 3)]
+HEAD_DIMS = [1, 7, 8, 9, 64, 65, 80]
+U = 2.0 ** -24
+LENGTHS = st.one_of(st.sampled_from([1, 2, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK + 1]),
+                    st.integers(1, 300))
+
+
+def i32(values):
+    return buffers.aligned_copy(np.asarray(values), np.int32)
+
+
+class Step:
+    """Sequences with shuffled block tables in one arena, and the rows of one step.
+
+    ``keys[s]``, ``values[s]`` [n_kv, length_s, head_dim]: sequence s's cache; ``k_arena``,
+    ``v_arena`` hold them at the table's blocks, NaN everywhere else (``poison`` marks what
+    stays NaN: keys before ``first_read[s]`` too). Unused table entries point at a NaN block."""
+
+    def __init__(self, rng, n_kv, head_dim, lengths, rows, window=0, spare_blocks=3, max_blocks=None):
+        self.lengths, self.window = lengths, window
+        needed = [-(-n // KV_BLOCK) for n in lengths]
+        max_blocks = max_blocks or max(needed) + 1
+        n_blocks = sum(needed) + spare_blocks + 1
+        order = rng.permutation(n_blocks)
+        self.poison_block = int(order[-1])
+        tables = np.full((len(lengths), max_blocks), self.poison_block)
+        at = 0
+        for s, n in enumerate(needed):
+            tables[s, :n] = order[at:at + n]
+            at += n
+        self.tables = i32(tables)
+        self.positions = i32([p for _, p in rows])
+        self.row_seq = i32([s for s, _ in rows])
+        self.shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
+        self.first_read = [min([first_key(p, window) for s2, p in rows if s2 == s] or [0])
+                           for s in range(len(lengths))]
+
+    def arena(self, per_sequence):
+        """An arena holding ``per_sequence[s]`` [n_kv, length_s, head_dim] at sequence s's keys
+        from first_read[s] on (NaN elsewhere)."""
+        arena = buffers.full(self.shape, np.nan)
+        for s, values in enumerate(per_sequence):
+            for j in range(self.first_read[s], self.lengths[s]):
+                arena[self.tables[s, j // KV_BLOCK], :, j % KV_BLOCK] = values[:, j]
+        return arena
+
+
+def first_key(position, window):
+    return max(0, position - window + 1) if window else 0
+
+
+def draw_step(data, window_too=False):
+    n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    n_seq = data.draw(st.integers(1, 3), label="sequences")
+    lengths = [data.draw(LENGTHS, label="length") for _ in range(n_seq)]
+    m = data.draw(st.one_of(st.sampled_from([1, 2, 7]), st.integers(1, 22)), label="m")
+    rows = []
+    for _ in range(m):
+        s = data.draw(st.integers(0, n_seq - 1), label="row's sequence")
+        p = data.draw(st.one_of(st.just(lengths[s] - 1), st.integers(0, lengths[s] - 1)), label="position")
+        rows.append((s, p))
+    window = 0
+    if window_too and data.draw(st.booleans(), label="windowed"):
+        window = data.draw(st.one_of(st.sampled_from([1, 2, 3, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1]),
+                                     st.integers(1, 100), st.integers(300, 2000)), label="window")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    step = Step(np.random.default_rng(seed), n_kv, head_dim, lengths, rows, window)
+    return n_head, n_kv, head_dim, step
+
+
+def draw_values(data, n_head, n_kv, head_dim, step):
+    """q [m, n_head, head_dim], per-sequence keys and values, scale, exact (as test_attention)."""
+    m = len(step.positions)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    exact = data.draw(st.booleans(), label="exact scores")
+    if exact:
+        q = rng.integers(-4, 5, (m, n_head, head_dim)).astype(np.float32)
+        keys = [rng.integers(-4, 5, (n_kv, n, head_dim)).astype(np.float32) for n in step.lengths]
+        scale = data.draw(st.sampled_from([1.0, 0.25, 8.0]), label="scale")
+    else:
+        magnitude = data.draw(st.sampled_from([1e-3, 0.1, 1.0, 5.0]), label="q, k magnitude")
+        q = float_arrays(data.draw, (m, n_head, head_dim), scale=magnitude)
+        keys = [float_arrays(data.draw, (n_kv, n, head_dim), scale=magnitude) for n in step.lengths]
+        scale = data.draw(st.sampled_from([0.125, 1.0 / np.sqrt(head_dim), 1.0]), label="scale")
+    v_magnitude = data.draw(st.sampled_from([0.0, 1e-3, 1.0, 1e4]), label="v magnitude")
+    values = [float_arrays(data.draw, (n_kv, n, head_dim), scale=v_magnitude) for n in step.lengths]
+    return buffers.aligned_copy(q), keys, values, scale, exact
+
+
+def tolerance(q, keys, values, step, scale, exact, group):
+    m, n_head, head_dim = q.shape
+    atol = np.empty((m, n_head, 1))
+    for i in range(m):
+        s, p = int(step.row_seq[i]), int(step.positions[i])
+        seen = slice(first_key(p, step.window), p + 1)
+        for h in range(n_head):
+            k64 = keys[s][h // group, seen].astype(np.float64)
+            v_max = np.abs(values[s][h // group, seen]).max()
+            score_error = 0.0
+            if not exact:
+                score_error = (head_dim / 8 + 5) * U * abs(scale) * (np.abs(k64) @ np.abs(q[i, h])).max()
+            atol[i, h] = v_max * (1e-5 + 2 * score_error)
+    return atol
+
+
+def draw_head_range(data, n):
+    if data.draw(st.booleans(), label="all heads"):
+        return None
+    h0 = data.draw(st.integers(0, n - 1), label="h0")
+    return h0, data.draw(st.integers(h0 + 1, n), label="h1")
+
+
+def scratch_for(native, step):
+    return native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK)
+
+
+# ---------------------------------------------------------------- attention_paged
+
+@settings(max_examples=40)
+@given(st.data())
+def test_attention_paged_matches_reference(native, ref, data):
+    n_head, n_kv, head_dim, step = draw_step(data, window_too=True)
+    q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
+    k_arena, v_arena = step.arena(keys), step.arena(values)
+    heads = draw_head_range(data, n_head)
+    h0, h1 = heads if heads is not None else (0, n_head)
+    check_step_indices(step.positions, step.row_seq, step.tables, len(q), k_arena.shape[0], window=step.window)
+
+    want, got = np.full(q.shape, np.nan), nan_buffer(q.shape)
+    ref.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, want,
+                        ref.paged_attention_scratch(1), heads=heads, window=step.window)
+    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, got,
+                           scratch_for(native, step), heads=heads, window=step.window)
+
+    atol = tolerance(q, keys, values, step, scale, exact, n_head // n_kv)
+    error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
+    assert not np.isnan(got[:, h0:h1]).any()
+    assert (error <= atol[:, h0:h1]).all(), f"max error / tolerance {(error / atol[:, h0:h1]).max()}"
+    assert np.isnan(got[:, :h0]).all() and np.isnan(got[:, h1:]).all()
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_a_row_depends_only_on_its_own_query_and_keys(native, data):
+    """Batch invariance: each row alone (m = 1), the rows in another order, and any split of
+    the heads give the same bits as the whole step."""
+    n_head, n_kv, head_dim, step = draw_step(data, window_too=True)
+    q, keys, values, scale, _ = draw_values(data, n_head, n_kv, head_dim, step)
+    k_arena, v_arena = step.arena(keys), step.arena(values)
+    scratch = scratch_for(native, step)
+    m = len(q)
+
+    def attend(q, positions, row_seq, heads=None, out=None):
+        out = nan_buffer(q.shape) if out is None else out
+        native.attention_paged(q, k_arena, v_arena, positions, row_seq, step.tables, scale, out, scratch,
+                               heads=heads, window=step.window)
+        return out
+
+    whole = attend(q, step.positions, step.row_seq)
+    for i in range(m):
+        alone = attend(buffers.aligned_copy(q[i:i + 1]), i32(step.positions[i:i + 1]), i32(step.row_seq[i:i + 1]))
+        np.testing.assert_array_equal(alone[0], whole[i])
+    order = np.random.default_rng(m).permutation(m)
+    shuffled = attend(buffers.aligned_copy(q[order]), i32(step.positions[order]), i32(step.row_seq[order]))
+    np.testing.assert_array_equal(shuffled, whole[order])
+    cut = data.draw(st.integers(1, n_head), label="head cut")
+    by_heads = nan_buffer(q.shape)
+    for heads in ((0, cut), (cut, n_head)):
+        if heads[0] < heads[1]:
+            attend(q, step.positions, step.row_seq, heads=heads, out=by_heads)
+    np.testing.assert_array_equal(by_heads, whole)
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_paged_equals_the_contiguous_kernel_bit_for_bit(native, data):
+    """One sequence in shuffled blocks, rows at pos0 .. pos0 + m - 1 (a prefill chunk, or a
+    decode row when m = 1): the same bits as ``attention`` over the contiguous cache."""
+    n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    m = data.draw(st.integers(1, 20), label="m")
+    pos0 = data.draw(st.one_of(st.sampled_from([0, KV_BLOCK - 1, KV_BLOCK]), st.integers(0, 250)), label="pos0")
+    window = data.draw(st.sampled_from([0, 0, 1, 5, KV_BLOCK, 40]), label="window")
+    n_ctx = pos0 + m
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    k_values = rng.standard_normal((n_kv, n_ctx, head_dim)).astype(np.float32)
+    v_values = rng.standard_normal((n_kv, n_ctx, head_dim)).astype(np.float32)
+    q = buffers.aligned_copy(rng.standard_normal((m, n_head, head_dim)), np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    rows = [(0, pos0 + i) for i in range(m)]
+    step = Step(rng, n_kv, head_dim, [n_ctx], rows)            # every key stored (no window NaNs)
+    k_arena, v_arena = step.arena([k_values]), step.arena([v_values])
+
+    contiguous, paged = nan_buffer(q.shape), nan_buffer(q.shape)
+    native.attention(q, buffers.aligned_copy(k_values), buffers.aligned_copy(v_values), pos0, scale, contiguous,
+                     native.attention_scratch(n_ctx), window=window)
+    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, paged,
+                           scratch_for(native, step), window=window)
+    np.testing.assert_array_equal(paged, contiguous)
+
+
+@pytest.mark.parametrize("backend", ["native", "ref"])
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 16, 17, 100])
+def test_paged_window_sees_exactly_the_last_keys(backend, window, request):
+    """q = 0: every visible key equally likely; V one-hot by position shows which keys each
+    row saw (p - window < j <= p), rows of two sequences interleaved."""
+    be = request.getfixturevalue(backend)
+    n = 40
+    rng = np.random.default_rng(1)
+    rows = [(0, 3), (1, 39), (0, 20), (1, 16), (0, 0), (1, 15)]
+    step = Step(rng, 1, n, [25, n], rows)
+    eye = np.eye(n, dtype=np.float32)[None]
+    k_arena = step.arena([rng.standard_normal((1, 25, n)).astype(np.float32),
+                          rng.standard_normal((1, n, n)).astype(np.float32)])
+    v_arena = step.arena([eye[:, :25], eye])
+    q = buffers.zeros((len(rows), 2, n))
+    out = nan_buffer(q.shape)
+    be.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, 0.5, out,
+                       be.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK), window=window)
+    for i, (_, p) in enumerate(rows):
+        j = np.arange(n)
+        seen = (j <= p) & ((p - j < window) if window else True)
+        np.testing.assert_allclose(out[i], np.broadcast_to(seen / seen.sum(), (2, n)), rtol=1e-6)
+
+
+def test_paged_huge_scores_do_not_overflow(native):
+    head_dim, n = 16, 40
+    q = buffers.full((1, 2, head_dim), 100.0)
+    k_values = np.zeros((1, n, head_dim), np.float32)
+    k_values[0, :, 0] = np.arange(n) % 7                   # keys 6, 13, 20, 27, 34 tie for best
+    v_values = np.arange(n * head_dim, dtype=np.float32).reshape(1, n, head_dim)
+    step = Step(np.random.default_rng(2), 1, head_dim, [n], [(0, n - 1)])
+    got = nan_buffer(q.shape)
+    native.attention_paged(q, step.arena([k_values]), step.arena([v_values]), step.positions, step.row_seq,
+                           step.tables, 1000.0, got, scratch_for(native, step))
+    best = v_values[0, 6::7].mean(axis=0)
+    np.testing.assert_allclose(got[0], np.stack([best, best]), rtol=1e-6)
+
+
+def test_paged_scratch_is_the_same_size_in_both_backends(native, ref):
+    for max_keys in (1, 15, 16, 17, 4096):
+        assert native.paged_attention_scratch(max_keys).shape == ref.paged_attention_scratch(max_keys).shape
+
+
+# ---------------------------------------------------------------- kv_store_paged
+
+@settings(max_examples=40)
+@given(st.data())
+def test_kv_store_paged_matches_reference(native, ref, data):
+    """Rows of several sequences, some sharing a slot (the later wins), any KV head range:
+    the same bits as the reference, and nothing else of the arena touched."""
+    _, n_kv, head_dim, step = draw_step(data)
+    m = len(step.positions)
+    src = float_arrays(data.draw, (m, n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    start = step.arena([np.zeros((n_kv, n, head_dim), np.float32) for n in step.lengths])
+    want, got = start.copy(), buffers.aligned_copy(start)
+    ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, want, heads=heads)
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, got, heads=heads)
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- gather_rows
+
+@given(st.data())
+def test_gather_rows_matches_reference(native, ref, data):
+    m = data.draw(st.integers(1, 20), label="m")
+    d = data.draw(st.one_of(st.sampled_from([1, 7, 8, 9, 576]), st.integers(1, 1000)), label="d")
+    n = data.draw(st.integers(1, 2 * m), label="rows")
+    rows = i32(data.draw(st.lists(st.integers(0, m - 1), min_size=n, max_size=n), label="which"))
+    src = float_arrays(data.draw, (m, d))
+    want, got = np.full((n, d), np.nan, np.float32), nan_buffer((n, d))
+    ref.gather_rows(src, rows, want)
+    native.gather_rows(src, rows, got)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gather_rows_parts_write_only_their_rows(native):
+    from llambda.runtime.native.paged import gather_rows_call
+    from llambda.runtime.native._lib import kernel
+    src = buffers.aligned_copy(np.arange(5 * 9).reshape(5, 9), np.float32)
+    rows = i32([4, 0, 0, 2])
+    out = nan_buffer((4, 9))
+    symbol, args = gather_rows_call(src, rows, out, part=(1, 3))
+    kernel(symbol)(*args)
+    np.testing.assert_array_equal(out[1:3], src[[0, 0]])
+    assert np.isnan(out[0]).all() and np.isnan(out[3]).all()
+
+
+# ---------------------------------------------------------------- nothing read or written out of bounds
+
+@pytest.mark.parametrize("head_dim", [9, 64, 65])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_ops_touch_nothing_past_their_arrays(native, ref, head_dim, window):
+    """Every array ends where an unreadable page begins; the last row's keys end in the
+    arena's last block, last KV head, last row (a stray read or write past any array crashes)."""
+    keep = []
+    rng = np.random.default_rng(3)
+    n_head, n_kv, n_blocks = 8, 2, 4            # sizes whose bytes are multiples of 32 (aligned copies)
+    length = n_blocks * KV_BLOCK
+    tables = i32(rng.permutation(n_blocks)[None])
+    positions, row_seq = i32([length - 1, 3, length - 2, 17]), i32([0, 0, 0, 0])
+    m = len(positions)
+    k_arena = before_a_guard_page(rng.standard_normal((n_blocks, n_kv, KV_BLOCK, head_dim)).astype(np.float32), keep)
+    v_arena = before_a_guard_page(rng.standard_normal((n_blocks, n_kv, KV_BLOCK, head_dim)).astype(np.float32), keep)
+    q = before_a_guard_page(rng.standard_normal((m, n_head, head_dim)).astype(np.float32), keep)
+    guarded = [before_a_guard_page(a, keep) for a in (positions, row_seq, tables)]
+    out = before_a_guard_page(np.zeros((m, n_head, head_dim), np.float32), keep)
+    scratch = before_a_guard_page(np.zeros(native.paged_attention_scratch(length).size, np.float32), keep)
+    want = np.zeros(q.shape)
+    ref.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.3, want, None, window=window)
+    native.attention_paged(q, k_arena, v_arena, *guarded, 0.3, out, scratch, window=window)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+    src = before_a_guard_page(rng.standard_normal((m, n_kv, head_dim)).astype(np.float32), keep)
+    arena = before_a_guard_page(np.zeros(k_arena.shape, np.float32), keep)
+    expected = np.zeros(k_arena.shape, np.float32)
+    ref.kv_store_paged(src, positions, row_seq, tables, expected)
+    native.kv_store_paged(src, *guarded, arena)
+    np.testing.assert_array_equal(arena, expected)
+
+    flat = q.reshape(m, -1)
+    rows = before_a_guard_page(i32([m - 1, 0]), keep)
+    gathered = before_a_guard_page(np.zeros((2, flat.shape[1]), np.float32), keep)
+    native.gather_rows(flat, rows, gathered)
+    np.testing.assert_array_equal(gathered, flat[[m - 1, 0]])
+
+
+# ---------------------------------------------------------------- bad arguments
+
+def test_attention_paged_rejects_bad_arguments(native):
+    m, n_head, n_kv, head_dim, n_blocks, max_blocks = 2, 4, 2, 9, 6, 3
+    q, out = buffers.zeros((m, n_head, head_dim)), buffers.zeros((m, n_head, head_dim))
+    k = buffers.zeros((n_blocks, n_kv, KV_BLOCK, head_dim))
+    v = buffers.zeros((n_blocks, n_kv, KV_BLOCK, head_dim))
+    positions, row_seq, tables = i32([3, 20]), i32([0, 1]), i32(np.arange(6).reshape(2, max_blocks))
+    scratch = native.paged_attention_scratch(max_blocks * KV_BLOCK)
+
+    def call(**changes):
+        args = dict(q=q, k_arena=k, v_arena=v, positions=positions, row_seq=row_seq, tables=tables, scale=0.5,
+                    out=out, scratch=scratch, heads=None, window=0)
+        args.update(changes)
+        native.attention_paged(**args)
+
+    call()
+    call(window=3)
+    call(window=10**9)                                      # beyond any table: unlimited
+    call(scratch=native.paged_attention_scratch(5), window=5)
+    bad = [
+        (dict(q=buffers.zeros((m, 3, head_dim)), out=buffers.zeros((m, 3, head_dim))),
+         "k_arena: 2 KV heads do not divide q's 3 query heads"),
+        (dict(k_arena=buffers.zeros((n_blocks, n_kv, KV_BLOCK, 8))), "k_arena: head_dim 8 differs"),
+        (dict(k_arena=buffers.zeros((n_blocks, n_kv, 8, head_dim))), "k_arena: blocks of 8 rows"),
+        (dict(k_arena=buffers.zeros((n_blocks, n_kv * KV_BLOCK, head_dim))), "k_arena: expected 4 dimensions"),
+        (dict(v_arena=buffers.zeros((n_blocks + 1, n_kv, KV_BLOCK, head_dim))), "v_arena: expected shape"),
+        (dict(k_arena=buffers.zeros(k.shape, np.float64)), "k_arena: expected dtype"),
+        (dict(v_arena=buffers.zeros(k.shape, np.float16)), "v_arena: expected dtype float32"),
+        (dict(q=buffers.zeros((m, n_head, head_dim), np.float64)), "q: expected dtype float32"),
+        (dict(out=buffers.zeros((m, n_head, head_dim + 1))), "out: expected shape"),
+        (dict(q=misaligned(q)), "q: data must be 32-byte aligned"),
+        (dict(v_arena=buffers.zeros((n_blocks, n_kv, KV_BLOCK, 2 * head_dim))[..., ::2]),
+         "v_arena: array must be C-contiguous"),
+        (dict(positions=i32([3])), "positions: expected shape \\(2\\)"),
+        (dict(positions=buffers.zeros(2, np.int64)), "positions: expected dtype int32"),
+        (dict(row_seq=i32([0, 1, 1])), "row_seq: expected shape"),
+        (dict(tables=i32(np.arange(6))), "tables: expected 2 dimensions"),
+        (dict(tables=buffers.zeros((2, 3), np.uint32)), "tables: expected dtype int32"),
+        (dict(scale=float("nan")), "scale: expected a finite number"),
+        (dict(scale=1e39), "scale: 1e\\+39 overflows float32"),
+        (dict(scratch=native.paged_attention_scratch(max_blocks * KV_BLOCK - 16)),
+         "scratch: 96 floats, need 144 for rows seeing up to 48 keys"),
+        (dict(scratch=native.paged_attention_scratch(5), window=17), "scratch: 48 floats, need 96"),
+        (dict(scratch=buffers.zeros((3, 48))), "scratch: expected 1 dimensions"),
+        (dict(heads=(2, 2)), "heads: expected 0 <= h0 < h1 <= n_head=4"),
+        (dict(heads=3), "heads: expected a pair"),
+        (dict(out=q), "out: overlaps q"),
+        (dict(scratch=k.reshape(-1)), "scratch: overlaps k_arena"),
+        (dict(out=k.reshape(-1)[:m * n_head * head_dim].reshape(m, n_head, head_dim)), "out: overlaps k_arena"),
+        (dict(window=-1), "window: expected an integer >= 0"),
+        (dict(window=2.0), "window: expected an integer >= 0"),
+        (dict(window=True), "window: expected an integer >= 0"),
+    ]
+    for changes, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call(**changes)
+    read_only = buffers.zeros((m, n_head, head_dim))
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out: array is read-only"):
+        call(out=read_only)
+    call()
+
+
+def test_kv_store_paged_and_gather_rows_reject_bad_arguments(native):
+    m, n_kv, head_dim = 2, 2, 8
+    src = buffers.zeros((m, n_kv, head_dim))
+    arena = buffers.zeros((4, n_kv, KV_BLOCK, head_dim))
+    positions, row_seq, tables = i32([0, 1]), i32([0, 0]), i32([[1, 2]])
+
+    def store(**changes):
+        args = dict(src=src, positions=positions, row_seq=row_seq, tables=tables, arena=arena, heads=None)
+        args.update(changes)
+        native.kv_store_paged(**args)
+
+    store()
+    store(heads=(1, 2))
+    for changes, message in [
+        (dict(arena=buffers.zeros((4, n_kv + 1, KV_BLOCK, head_dim))), "arena: expected shape"),
+        (dict(arena=buffers.zeros((4, n_kv, KV_BLOCK - 1, head_dim))), "arena: expected shape"),
+        (dict(arena=buffers.zeros(arena.shape, np.float64)), "arena: expected dtype"),
+        (dict(src=buffers.zeros((m, n_kv, head_dim), np.float16)), "src: expected dtype float32"),
+        (dict(positions=i32([0])), "positions: expected shape"),
+        (dict(row_seq=buffers.zeros(2, np.int64)), "row_seq: expected dtype int32"),
+        (dict(heads=(0, 3)), "heads: expected 0 <= h0 < h1 <= n_kv=2"),
+        (dict(src=arena.reshape(-1)[:src.size].reshape(src.shape)), "arena: overlaps src"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            store(**changes)
+
+    x, rows, out = buffers.zeros((3, 9)), i32([2, 0]), buffers.zeros((2, 9))
+    native.gather_rows(x, rows, out)
+    for args, message in [
+        ((x, rows, buffers.zeros((2, 8))), "out: expected shape"),
+        ((x, rows, buffers.zeros((3, 9))), "out: expected shape"),
+        ((x, buffers.zeros(2, np.int64), out), "rows: expected dtype int32"),
+        ((x.reshape(-1), rows, out), "src: expected 2 dimensions"),
+        ((x, rows, x[:2]), "out: overlaps src"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            native.gather_rows(*args)
+
+
+def test_check_step_indices_names_the_bad_index():
+    tables = i32([[3, 1, -1], [0, 2, 7]])
+    check_step_indices(i32([31, 20]), i32([0, 1]), tables, 2, n_blocks=4)
+    check_step_indices(i32([40, 0]), i32([1, 1]), i32([[0, 0, 0], [9, 9, 2]]), 1, n_blocks=4, window=5)
+    for args, kwargs, message in [
+        ((i32([32, 0]), i32([0, 0]), tables, 2, 4), {}, r"tables\[0, 2\] = -1: row 0 \(position 32\)"),
+        ((i32([40, 0]), i32([1, 0]), tables, 1, 4), {}, r"tables\[1, 2\] = 7"),
+        ((i32([3, 0]), i32([2, 0]), tables, 1, 4), {}, r"row_seq\[0\] = 2: not a table"),
+        ((i32([48]), i32([1]), tables, 1, 4), {}, r"positions\[0\] = 48: expected 0 <= position < 48"),
+        ((i32([-1]), i32([1]), tables, 1, 4), {}, r"positions\[0\] = -1"),
+        ((i32([20]), i32([1]), tables, 1, 4), dict(max_keys=20), r"positions\[0\] = 20: .* max_keys = 20"),
+        ((i32([20]), i32([1]), tables, 2, 4), {}, "at least m=2 entries"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_step_indices(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- recorded in a plan
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_recorded_paged_step_follows_the_indices_in_memory(native, window):
+    """One plan (kv_store_paged split by KV heads, attention_paged by query heads, gather_rows),
+    recorded once on 2 threads, then run after rewriting positions, row_seq and the tables:
+    every run gives the direct calls' bits, and no record is patched."""
+    from llambda.runtime import get_backend
+    from llambda.runtime.pool import WorkerPool
+    from llambda.runtime.recorder import PlanRecorder
+    rng = np.random.default_rng(4)
+    m, n_head, n_kv, head_dim, n_blocks, max_blocks = 9, 9, 3, 64, 24, 6
+    k_arena = buffers.aligned_copy(rng.standard_normal((n_blocks, n_kv, KV_BLOCK, head_dim)), np.float32)
+    v_arena = buffers.aligned_copy(rng.standard_normal((n_blocks, n_kv, KV_BLOCK, head_dim)), np.float32)
+    q = buffers.aligned_copy(rng.standard_normal((m, n_head, head_dim)), np.float32)
+    k_new = buffers.aligned_copy(rng.standard_normal((m, n_kv, head_dim)), np.float32)
+    positions, row_seq = buffers.zeros(m, np.int32), buffers.zeros(m, np.int32)
+    tables = buffers.zeros((3, max_blocks), np.int32)
+    rows = i32([m - 1, 0])
+    out, picked = nan_buffer(q.shape), nan_buffer((2, n_head * head_dim))
+
+    recorder = PlanRecorder(2, max_blocks * KV_BLOCK, get_backend("avx2"))
+    recorder.kv_store_paged(k_new, positions, row_seq, tables, k_arena)
+    recorder.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125, out, None, window=window)
+    recorder.gather_rows(out.reshape(m, -1), rows, picked)
+    recorder.finish()
+    assert [(recorder.plan.records["fn"][op] != 0).sum() for op in range(2)] == [2, 2]   # both split
+    records = recorder.plan.records.copy()
+
+    with WorkerPool(2) as pool:
+        for trial in range(4):
+            tables[...] = rng.permutation(n_blocks)[:3 * max_blocks].reshape(3, max_blocks)
+            positions[...] = rng.integers(0, max_blocks * KV_BLOCK, m)
+            row_seq[...] = rng.integers(0, 3, m)
+            check_step_indices(positions, row_seq, tables, m, n_blocks)
+            want_arena, want, want_picked = buffers.aligned_copy(k_arena), nan_buffer(q.shape), nan_buffer(picked.shape)
+            native.kv_store_paged(k_new, positions, row_seq, tables, want_arena)
+            native.attention_paged(q, want_arena, v_arena, positions, row_seq, tables, 0.125, want,
+                                   native.paged_attention_scratch(max_blocks * KV_BLOCK), window=window)
+            native.gather_rows(want.reshape(m, -1), rows, want_picked)
+            out[...] = np.nan
+            recorder.plan.run(pool)
+            np.testing.assert_array_equal(k_arena, want_arena)
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(picked, want_picked)
+    assert (recorder.plan.records == records).all()
+
+
+# ---------------------------------------------------------------- float16 arenas
+
+def as_f16(arena):
+    return buffers.aligned_copy(arena, np.float16)
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_f16_arena_is_the_f32_kernel_on_rounded_values(native, ref, data):
+    """A float16 arena gives exactly the f32 kernel's bits over the same (rounded) values, and
+    the reference's result on them within the f32 tolerance; kv_store_paged rounds as numpy."""
+    n_head, n_kv, _, step = draw_step(data, window_too=True)
+    head_dim = data.draw(st.sampled_from([8, 16, 64, 80]), label="head_dim")
+    step.shape = step.shape[:3] + (head_dim,)
+    q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
+    keys = [k.astype(np.float16).astype(np.float32) for k in keys]
+    values = [np.clip(v, -6e4, 6e4).astype(np.float16).astype(np.float32) for v in values]
+    k32, v32 = step.arena(keys), step.arena(values)
+    k16, v16 = as_f16(k32), as_f16(v32)
+    scratch = scratch_for(native, step)
+    got16, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
+    args = (step.positions, step.row_seq, step.tables, scale)
+    native.attention_paged(q, k16, v16, *args, got16, scratch, window=step.window)
+    native.attention_paged(q, k32, v32, *args, got32, scratch, window=step.window)
+    ref.attention_paged(q, k16, v16, *args, want, None, window=step.window)
+    np.testing.assert_array_equal(got16, got32)
+    atol = tolerance(q, keys, values, step, scale, exact, n_head // n_kv)
+    assert (np.abs(got16 - want) <= atol).all()
+
+    m = len(q)
+    src = float_arrays(data.draw, (m, n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    stored, expected = buffers.aligned_copy(k16), k16.copy()
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, stored, heads=heads)
+    ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, expected, heads=heads)
+    np.testing.assert_array_equal(stored.view(np.uint16), expected.view(np.uint16))
+
+
+def test_f16_rounding_matches_numpy_at_the_edges(native):
+    """Ties, the largest half, overflow to inf, subnormals, signed zeros, NaN: the bits of
+    numpy's astype(float16)."""
+    edge = np.array([0.0, -0.0, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                     2**-24, 2**-25, 3 * 2**-26, 2**-14 - 2**-25, np.inf, -np.inf, np.nan], np.float32)
+    rng = np.random.default_rng(5)
+    values = np.concatenate([edge, rng.standard_normal(64 - len(edge)).astype(np.float32) * 100])
+    src = buffers.aligned_copy(values.reshape(8, 1, 8))
+    step = Step(rng, 1, 8, [8], [(0, p) for p in range(8)])
+    arena = buffers.zeros(step.shape, np.float16)
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, arena)
+    stored = arena[step.tables[0, 0], 0, :8]
+    with np.errstate(over="ignore"):
+        want = values.reshape(8, 8).astype(np.float16)
+    np.testing.assert_array_equal(stored.view(np.uint16), want.view(np.uint16))
+
+
+def test_f16_arena_rejects_a_head_dim_off_the_chunk(native):
+    step = Step(np.random.default_rng(7), 1, 12, [4], [(0, 3)])
+    arena = buffers.zeros(step.shape, np.float16)
+    q, out = buffers.zeros((1, 2, 12)), buffers.zeros((1, 2, 12))
+    with pytest.raises(ValueError, match="k_arena: a float16 arena needs head_dim % 8 == 0, got head_dim 12"):
+        native.attention_paged(q, arena, arena, step.positions, step.row_seq, step.tables, 1.0, out,
+                               scratch_for(native, step))
+    with pytest.raises(ValueError, match="arena: a float16 arena needs head_dim % 8 == 0"):
+        native.kv_store_paged(buffers.zeros((1, 1, 12)), step.positions, step.row_seq, step.tables, arena)
+
+
+def test_f16_arena_long_context_tolerance(native, ref):
+    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
+    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
+    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
+    rng = np.random.default_rng(6)
+    n_head, n_kv, head_dim, length = 9, 3, 64, 3000
+    keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    rows = [(0, length - 1), (0, 1234), (0, 15)]
+    step = Step(rng, n_kv, head_dim, [length], rows)
+    q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
+    scale = head_dim ** -0.5
+    k32, v32 = step.arena(keys), step.arena(values)
+    k16, v16 = as_f16(k32), as_f16(v32)
+    got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
+    native.attention_paged(q, k16, v16, step.positions, step.row_seq, step.tables, scale, got,
+                           scratch_for(native, step))
+    ref.attention_paged(q, k32, v32, step.positions, step.row_seq, step.tables, scale, want, None)
+    f32_bound = tolerance(q, keys, values, step, scale, False, n_head // n_kv)
+    for i, (_, p) in enumerate(rows):
+        for h in range(n_head):
+            k, v = keys[0][h // 3, :p + 1].astype(np.float64), values[0][h // 3, :p + 1]
+            score_error = 2.0 ** -11 * scale * (np.abs(k) @ np.abs(q[i, h])).max()
+            bound = np.abs(v).max() * (2 * score_error + 2.0 ** -11) + f32_bound[i, h]
+            assert np.abs(got[i, h] - want[i, h]).max() <= bound
+
+
+def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+    keep = []
+    rng = np.random.default_rng(8)
+    n_head, n_kv, head_dim, n_blocks = 4, 2, 64, 3
+    tables = i32(rng.permutation(n_blocks)[None])
+    positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
+    shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
+    k16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    v16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
+    out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
+    want = np.zeros(q.shape)
+    ref.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, want, None)
+    native.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, out,
+                           native.paged_attention_scratch(n_blocks * KV_BLOCK))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
+    arena = before_a_guard_page(np.zeros(shape, np.float16), keep)
+    expected = np.zeros(shape, np.float16)
+    ref.kv_store_paged(src, positions, row_seq, tables, expected)
+    native.kv_store_paged(src, positions, row_seq, tables, arena)
+    np.testing.assert_array_equal(arena, expected)

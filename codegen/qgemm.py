@@ -58,12 +58,16 @@ while every tile of MR activation rows streams past, so a prefill reads the
 weights from memory once; decode (m = 1) streams them straight through, with
 a software prefetch well ahead of the hardware prefetchers.
 
-Summation order: every row accumulates its blocks in k order with the same
-two f32 operations per block (a multiply for d_w * d_a, then an FMA; q4_1 adds
-a second FMA for the min term), so AVX-512 results are bit-identical to AVX2's
-for q8_0, and for q4_1 wherever the AVX2 tile uses one accumulator per row
-(its 6-row tiles and 4-5-row remainders; 1-3-row remainders keep the min
-term in a second accumulator, summed at the end).
+Summation order (batch invariance, DESIGN.md "Many sequences"): every tile of
+either ISA, full or remainder, gives each row one f32 accumulator and adds its
+blocks in k order with the same f32 operations per block: a multiply for
+d_w * d_a, an FMA of the exact int32 dot product with it, and (kinds with a
+min) an FMA of m_w * s_a into the same accumulator. So a row's output is
+bit-identical whatever m, its place in a tile, or the ISA picked for that m:
+decode (m = 1, AVX2) and prefill (AVX-512) give the same logits for the same
+position. (A second accumulator for the min term would shorten the decode
+GEMV's FMA chain, but it measured no faster, and the 6-row and 16-row tiles
+have no registers for it.)
 """
 from dataclasses import dataclass
 
@@ -72,7 +76,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, 
                             RETURN, LocalVariable, ADD, SUB, MOV, SHL, SHR, IMUL, LEA, XOR, CMP, TEST, JB, JBE,
                             JA, JNE, JAE, JG, JMP, JNZ, JZ, VMOVDQA, VMOVDQU, VPSRLW, VPAND, VPANDD, VPBROADCASTD,
                             VPMADDUBSW, VPADDW, VPOR, VPTERNLOGD, VPMADDWD, VPADDD, VPSUBD, VPXORD, VPABSB, VPSIGNB,
-                            VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS, VMULPS, VADDPS, VFMADD231PS, VXORPS, VMOVUPS,
+                            VCVTDQ2PS, VCVTPH2PS, VBROADCASTSS, VMULPS, VFMADD231PS, VXORPS, VMOVUPS,
                             VMOVAPS, VMASKMOVPS, VINSERTI64X4, VINSERTI128, VSHUFF64X2, VBROADCASTI64X4, VEXTRACTF64X4,
                             PREFETCHT0)
 
@@ -440,7 +444,10 @@ def emit_block_q8_0(r, consts, acc, facc):
 
 
 def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod, offset=0):
-    """facc[i] += (d_w * d_a[i]) * acc[i]  (+ m_w * s_a[i]); acc holds int32 block sums.
+    """facc[i] += (d_w * d_a[i]) * acc[i], then facc[i] += m_w * s_a[i]: acc holds int32 block
+    sums, facc one f32 accumulator per row. Every tile of this module's kinds and the K-quants'
+    ends its block with these operations in this order (the AVX-512 tiles: emit_row_scale,
+    then the min FMA), so a row's result does not depend on its tile, m or ISA.
     ``offset``: bytes from the activation scale and sum pointers to the block's."""
     scales = RowAddresses(r.act_scale, r.scale_stride, r.spare, len(acc))
     scales.prepare()
@@ -448,15 +455,14 @@ def emit_block_scale(r, acc, facc, d_w, m_w, bcast, prod, offset=0):
         VCVTDQ2PS(acc[i], acc[i])
         VBROADCASTSS(bcast, scales(i, offset))
         VMULPS(bcast, bcast, d_w)
-        VFMADD231PS(facc[i][0], acc[i], bcast)
+        VFMADD231PS(facc[i], acc[i], bcast)
     if m_w is None:
         return
     sums = RowAddresses(r.act_sum, r.scale_stride, r.spare, len(acc))
     sums.prepare()
     for i in range(len(acc)):
         VBROADCASTSS(prod, sums(i, offset))
-        # a second accumulator (when registers allow) halves the FMA latency chain
-        VFMADD231PS(facc[i][-1], m_w, prod)
+        VFMADD231PS(facc[i], m_w, prod)
 
 
 def place_constants(target, wanted, spare, floats=()):
@@ -476,8 +482,10 @@ def place_constants(target, wanted, spare, floats=()):
 class TileConstants:
     """The vector constants of the block loop: in registers when the tile leaves some free
     (a memory operand costs a load per use: 10 -> 12.7 cycles a block in the decode GEMV),
-    else RIP-relative memory operands. Spare registers after that give each row a second
-    accumulator for the min term."""
+    else RIP-relative memory operands. Spare registers stay unused: a second f32
+    accumulator per row for the min term (which the decode tiles once had) would sum the
+    row in another order than the 6-row tiles and the AVX-512 kernel (batch invariance,
+    see the module docstring), and measured no faster in the decode GEMV (m = 1)."""
 
     def __init__(self, kind, rows):
         working = 4 if kind is Q4_1 else 3       # weight, unpacked / |w|, broadcast, product
@@ -485,17 +493,15 @@ class TileConstants:
         wanted = {"nibble": Constant.uint32x8(0x0F0F0F0F), "ones": Constant.uint16x16(1)}
         if kind is not Q4_1:
             del wanted["nibble"]
-        spare = place_constants(self, wanted, spare)
-        self.accumulators_per_row = 2 if kind.has_min and spare >= rows else 1
+        place_constants(self, wanted, spare)
 
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
     """out[rows x 8] of the current group and row tile; leaves the pointers where it found them."""
     consts = (Q5TileConstants if kind in FIVE_BIT else TileConstants)(kind, rows)
-    facc = [[YMMRegister() for _ in range(consts.accumulators_per_row)] for _ in range(rows)]
-    for pair in facc:
-        for f in pair:
-            VXORPS(f, f, f)
+    facc = [YMMRegister() for _ in range(rows)]
+    for f in facc:
+        VXORPS(f, f, f)
     count_blocks(r)
     with Loop() as blocks:
         if rows == 1:
@@ -511,10 +517,7 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
         SUB(r.blocks_left, 1)
         JNZ(blocks.begin)
     rewind_blocks(r, kind)
-    for pair in facc:
-        if len(pair) > 1:
-            VADDPS(pair[0], pair[0], pair[1])
-    store_tile_avx2(r, [pair[0] for pair in facc], ldo_bytes, name)
+    store_tile_avx2(r, facc, ldo_bytes, name)
 
 
 def store_tile_avx2(r, totals, ldo_bytes, name):
@@ -763,7 +766,6 @@ class Q5TileConstants:
         if spare > 0:
             self.low_bits, spare = YMMRegister(), spare - 1       # loaded per block
         self.split_sums = spare >= rows
-        self.accumulators_per_row = 1
 
 
 def emit_unpack_q5_avx2(r, consts, c, low, high, tmp):

@@ -218,7 +218,7 @@ def emit_block_avx2(r, kind, regs, acc, facc, b):
             VCVTPH2PS(prod, factor)
             factor = prod
         VMULPS(target, target, factor)
-    emit_block_scale(r, acc, [[f] for f in facc], d_w, m_w, t, prod, offset=4 * b)
+    emit_block_scale(r, acc, facc, d_w, m_w, t, prod, offset=4 * b)
 
 
 def emit_tile_avx2(r, kind, rows, ldo_bytes, name):

@@ -38,6 +38,15 @@ def test_logits_match_reference(model, default_gguf, prompt):
 LOGIT_TOLERANCE = 0.05
 
 
+def test_decode_over_a_cached_prefix_equals_prefill(model):
+    """Recomputing the last tokens over the cached prefix (decode, m = 1) gives the prefill's
+    logits bit for bit (issue 8: the AVX2 GEMV and the VNNI GEMM sum a row alike)."""
+    ids = model.tokenize("The capital of France is Paris. The capital of Germany is")
+    full = model.logits(ids)
+    for i in range(len(ids) - 3, len(ids) + 1):
+        np.testing.assert_array_equal(model.evaluate(ids[:i]), full[i - 1], err_msg=f"position {i - 1}")
+
+
 def _check_greedy_ids(gguf, prompt_ids, ids):
     """Each id llambda chose greedily is the reference's argmax, or, where it is not, the
     reference itself rates it within the logit tolerance of its own best (a near-tie

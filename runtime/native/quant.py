@@ -37,7 +37,8 @@ AVX512_MIN_ROWS = 4
 # ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
 # their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
 # each block's scales formed once for 16 columns) prefetch all their streams and are not.
-# Their tiles sum every row alike, so the ISA switch changes no bit.
+# Every kind's tiles, on both ISAs, sum a row with the same f32 operations in the same order
+# (codegen/qgemm.py "Summation order"), so neither switch changes a bit of any row.
 AVX512_DECODE_KINDS = ("q5_0", "q5_1", "q4_k", "q5_k")
 ELEMENT_ALIGN = 4
 

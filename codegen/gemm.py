@@ -47,7 +47,7 @@ import itertools
 from dataclasses import dataclass
 
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
+                            LocalVariable, JA, JBE, AND, VMOVAPS, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
                             VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
 
 from .common import Kernel, function, symbol, tail_mask
@@ -87,6 +87,12 @@ TILINGS = {
 }
 # the ymm tiles of the columns after the last whole block (both ISAs)
 EDGE_ROWS = 6
+# AVX-512 f16 with at least this many rows: each block's weights are widened to f32 once per
+# CHUNK_K k steps into a stack buffer that every row tile then reads, instead of once per
+# row tile (VCVTPH2PS zmm takes two uops on the FMA ports: 3 of them beside a k step's 24
+# FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
+CONVERT_MIN_ROWS = 32
+CHUNK_K = 256
 
 # Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
 UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
@@ -134,7 +140,8 @@ class RowPointers:
 
 
 class PanelPointers:
-    """Panel p of a tile at w + stride * p (p < 3): one pointer and the panel stride in bytes."""
+    """Panel p of a tile at w + stride * p (p < 3): one pointer and the panel stride, in bytes,
+    in a register or (an int) a constant."""
 
     def __init__(self, first_panel, stride, panels, owned=False):
         assert panels <= 3
@@ -146,10 +153,39 @@ class PanelPointers:
             MOV(self.base, first_panel)
 
     def address(self, panel, offset_bytes=0):
-        return [self.base + offset_bytes] if panel == 0 else [self.base + self.stride * panel + offset_bytes]
+        if panel == 0:
+            return [self.base + offset_bytes]
+        if isinstance(self.stride, int):
+            return [self.base + (self.stride * panel + offset_bytes)]
+        return [self.base + self.stride * panel + offset_bytes]
 
     def advance(self, nbytes):
         ADD(self.base, nbytes)
+
+
+class Source:
+    """Where a tile's weights, k count and accumulate flag come from: by default the call's
+    weight panels and arguments; the converted f16 path points the tiles at f32 panels on
+    the stack (constant stride), with the chunk's count and flag in stack slots."""
+
+    def __init__(self, args, weight_type, count=None, accumulate=None, panel_bytes=None, prefetch=True):
+        self.args, self.weight_type = args, weight_type
+        self.count, self.accumulate, self.panel_bytes, self.prefetch = count, accumulate, panel_bytes, prefetch
+
+    def load_count(self, reg):
+        LOAD.ARGUMENT(reg, self.args["kc"]) if self.count is None else MOV(reg, self.count)
+
+    def load_accumulate(self, reg):
+        LOAD.ARGUMENT(reg, self.args["accumulate"]) if self.accumulate is None else MOV(reg, self.accumulate)
+
+    def panel_stride(self):
+        """The panel stride in bytes: a constant, or a register holding it."""
+        if self.panel_bytes is not None:
+            return self.panel_bytes
+        stride = GeneralPurposeRegister64()
+        LOAD.ARGUMENT(stride, self.args["panel_stride"])
+        SHL(stride, WEIGHT_BYTES[self.weight_type].bit_length() - 1)      # elements -> bytes
+        return stride
 
 
 def load_weights(regs, address, weight_type, lanes):
@@ -164,7 +200,7 @@ def load_weights(regs, address, weight_type, lanes):
             VCVTPH2PS(reg, at)
 
 
-def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes):
+def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
     """acc[row][panel][half] += A[row, k] * W[panel, k, half] for ``count`` k steps, k in order."""
     rows, n_panels, halves = len(acc), len(acc[0]), len(acc[0][0])
     esize = WEIGHT_BYTES[weight_type]
@@ -178,7 +214,7 @@ def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes):
 
         def k_step(u):
             for p in range(n_panels):
-                if (u * step_bytes) % 64 == 0:
+                if prefetch and (u * step_bytes) % 64 == 0:
                     PREFETCHT0(panels.address(p, PREFETCH_DISTANCE + u * step_bytes))
                 load_weights(w_regs, panels.address(p, u * step_bytes), weight_type, lanes)
                 for row in range(rows):
@@ -192,7 +228,7 @@ def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes):
 
         def k_step(u):
             for p in range(n_panels):
-                if (u * step_bytes) % 64 == 0:
+                if prefetch and (u * step_bytes) % 64 == 0:
                     PREFETCHT0(panels.address(p, PREFETCH_DISTANCE + u * step_bytes))
                 load_weights([w_regs[p]], panels.address(p, u * step_bytes), weight_type, lanes)
             for row in range(rows):
@@ -230,10 +266,10 @@ def out_vector_address(outs, row, panel, half, lanes, column_bytes):
     return outs.address(row, column_bytes + panel * NR * 4 + half * lanes * 4)
 
 
-def emit_init(acc, outs, accumulate_arg, lanes, column_bytes, masks=None):
+def emit_init(acc, outs, src, lanes, column_bytes, masks=None):
     """acc = 0, or (accumulate) the partial sums in out; masked lanes load 0."""
     accumulate = GeneralPurposeRegister64()
-    LOAD.ARGUMENT(accumulate, accumulate_arg)
+    src.load_accumulate(accumulate)
     zero, done = _label("init_zero"), _label("init_done")
     TEST(accumulate, accumulate)
     JZ(zero)
@@ -271,24 +307,20 @@ def make_accumulators(rows, n_panels, lanes):
     return [[[next(upper, None) or ZMMRegister()] for _ in range(n_panels)] for _ in range(rows)]
 
 
-def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, args, weight_type, masks=None,
+def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None,
               column_bytes=0, owns_w_panel=False):
     """One tile: rows x n_panels panels over the call's k block (init, k loop, store), at
     ``column_bytes`` right of out_row; ``masks()`` emits the two ymm lane masks of an edge
     tile; ``owns_w_panel``: advance w_panel itself along k."""
     acc = make_accumulators(rows, n_panels, lanes)
     outs = RowPointers(out_row, g.ldo, rows)
-    emit_init(acc, outs, args["accumulate"], lanes, column_bytes, masks and masks())
+    emit_init(acc, outs, src, lanes, column_bytes, masks and masks())
     a_rows = RowPointers(a_row, g.lda, rows)
-    stride = None
-    if n_panels > 1:
-        stride = GeneralPurposeRegister64()
-        LOAD.ARGUMENT(stride, args["panel_stride"])
-        SHL(stride, WEIGHT_BYTES[weight_type].bit_length() - 1)      # elements -> bytes
+    stride = src.panel_stride() if n_panels > 1 else None
     panels = PanelPointers(w_panel, stride, n_panels, owned=owns_w_panel)
     count = GeneralPurposeRegister64()
-    LOAD.ARGUMENT(count, args["kc"])
-    emit_k_loop(acc, a_rows, panels, count, weight_type, lanes)
+    src.load_count(count)
+    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch)
     outs = RowPointers(out_row, g.ldo, rows)
     emit_store(acc, outs, lanes, column_bytes, masks and masks())
 
@@ -303,18 +335,32 @@ def advance_rows(pointer, stride, rows):
 
 
 class Globals:
-    """The registers a whole call keeps: pointers to the current column block, strides in bytes."""
+    """What a whole call keeps: pointers to the current column block, strides in bytes. With
+    a stack frame (which takes rbp), A and out wait in stack slots to spare two registers."""
 
-    def __init__(self):
-        self.a, self.w, self.out = (GeneralPurposeRegister64() for _ in range(3))
-        self.lda, self.ldo, self.ncols_left = (GeneralPurposeRegister64() for _ in range(3))
+    def __init__(self, in_frame=False):
+        self.a, self.out = (LocalVariable(8) if in_frame else GeneralPurposeRegister64() for _ in range(2))
+        self.w, self.lda, self.ldo, self.ncols_left = (GeneralPurposeRegister64() for _ in range(4))
+
+    def load(self, args):
+        for name in ("a", "w", "out", "lda", "ldo", "ncols"):
+            target = getattr(self, "ncols_left" if name == "ncols" else name)
+            if isinstance(target, LocalVariable):
+                reg = GeneralPurposeRegister64()
+                LOAD.ARGUMENT(reg, args[name])
+                MOV(target, reg)
+            else:
+                LOAD.ARGUMENT(target, args[name])
+        SHL(self.lda, 2)
+        SHL(self.ldo, 2)
 
 
-def emit_rows(g, args, weight_type, full_rows, emit_one):
+def emit_rows(g, args, full_rows, emit_one, a_start=None):
     """All rows of A against the current column block: ``full_rows``-row tiles, then the
-    remainder. ``emit_one(rows, a_row, out_row)`` emits one tile."""
+    remainder. ``emit_one(rows, a_row, out_row)`` emits one tile; A from ``a_start``
+    (default g.a)."""
     a_row, out_row, m_left = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
-    MOV(a_row, g.a)
+    MOV(a_row, g.a if a_start is None else a_start)
     MOV(out_row, g.out)
     LOAD.ARGUMENT(m_left, args["m"])
     rows_done = _label("rows_done")
@@ -343,6 +389,7 @@ def emit_rows(g, args, weight_type, full_rows, emit_one):
 def emit_block(g, args, weight_type, t):
     """One whole block of t.block_panels panels."""
     esize = WEIGHT_BYTES[weight_type]
+    src = Source(args, weight_type)
 
     def emit_one(rows, a_row, out_row):
         per_tile = t.panels[rows]
@@ -353,10 +400,10 @@ def emit_block(g, args, weight_type, t):
                 LOAD.ARGUMENT(w_panel, args["panel_stride"])
                 IMUL(w_panel, w_panel, first * esize)
                 ADD(w_panel, g.w)
-            emit_tile(rows, per_tile, t.lanes, a_row, w_panel, out_row, g, args, weight_type,
+            emit_tile(rows, per_tile, t.lanes, a_row, w_panel, out_row, g, src,
                       column_bytes=first * NR * 4, owns_w_panel=bool(first))
 
-    emit_rows(g, args, weight_type, t.full_rows, emit_one)
+    emit_rows(g, args, t.full_rows, emit_one)
 
 
 def emit_edge_panel(g, args, weight_type):
@@ -372,10 +419,106 @@ def emit_edge_panel(g, args, weight_type):
         tail_mask(high, cols_in_high_half)
         return [low, high]
 
-    def emit_one(rows, a_row, out_row):
-        emit_tile(rows, 1, 8, a_row, g.w, out_row, g, args, weight_type, masks=masks)
+    src = Source(args, weight_type)
 
-    emit_rows(g, args, weight_type, EDGE_ROWS, emit_one)
+    def emit_one(rows, a_row, out_row):
+        emit_tile(rows, 1, 8, a_row, g.w, out_row, g, src, masks=masks)
+
+    emit_rows(g, args, EDGE_ROWS, emit_one)
+
+
+class ConvertFrame:
+    """Stack slots of the converted f16 path (codegen/gemm.py CONVERT_MIN_ROWS)."""
+
+    def __init__(self, block_panels):
+        self.panel_bytes = CHUNK_K * NR * 4
+        # aligned by hand: PeachPy 2021 gives an aligned LocalVariable an rbp frame and then
+        # hands rbp out as a register too
+        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8)
+        self.k_left, self.chunk_len, self.chunk_a, self.chunk_w, self.chunk_acc = \
+            (LocalVariable(8) for _ in range(5))
+
+    def scratch_address(self, reg):
+        """reg = the buffer's first 64-byte aligned byte."""
+        LEA(reg, self.scratch)
+        ADD(reg, 63)
+        AND(reg, -64)
+
+
+def emit_convert(frame, args, n_panels, count):
+    """scratch[p][kk][:] = f32(W[p][k0 + kk][:]) for kk < count (consumed), p < n_panels."""
+    src, dst, stride = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
+    MOV(src, frame.chunk_w)
+    frame.scratch_address(dst)
+    LOAD.ARGUMENT(stride, args["panel_stride"])
+    SHL(stride, 1)                          # f16 elements -> bytes
+    regs = [ZMMRegister() for _ in range(n_panels)]
+
+    def panel(p, offset):
+        return [src + offset] if p == 0 else [src + stride * p + offset]
+
+    def steps(count_steps):
+        for u in range(count_steps):
+            for p, reg in enumerate(regs):
+                if u % 2 == 0:
+                    PREFETCHT0(panel(p, PREFETCH_DISTANCE + 32 * u))
+                VCVTPH2PS(reg, panel(p, 32 * u))
+                VMOVAPS([dst + (p * frame.panel_bytes + 64 * u)], reg)
+        ADD(src, 32 * count_steps)
+        ADD(dst, 64 * count_steps)
+
+    pairs = Loop(_unique("convert_pairs"))
+    CMP(count, 2)
+    JB(pairs.end)
+    with pairs:
+        steps(2)
+        SUB(count, 2)
+        CMP(count, 2)
+        JAE(pairs.begin)
+    last = _label("convert_done")
+    TEST(count, count)
+    JZ(last)
+    steps(1)
+    LABEL(last)
+
+
+def emit_block_converted(g, args, t, frame):
+    """One whole block of f16 panels, CHUNK_K k steps at a time: widen the chunk into the
+    stack buffer, then run every row tile over it (continuing each chain after the first)."""
+    reg = GeneralPurposeRegister64()
+    LOAD.ARGUMENT(reg, args["kc"])
+    MOV(frame.k_left, reg)
+    MOV(reg, g.a)
+    MOV(frame.chunk_a, reg)
+    MOV(frame.chunk_w, g.w)
+    accumulate = GeneralPurposeRegister64()
+    LOAD.ARGUMENT(accumulate, args["accumulate"])
+    MOV(frame.chunk_acc, accumulate)
+    src = Source(args, "f32", count=frame.chunk_len, accumulate=frame.chunk_acc,
+                 panel_bytes=frame.panel_bytes, prefetch=False)
+
+    chunks = Loop(_unique("chunks"))
+    with chunks:
+        count, whole = GeneralPurposeRegister64(), _label("whole_chunk")
+        MOV(count, frame.k_left)
+        CMP(count, CHUNK_K)
+        JBE(whole)
+        MOV(count, CHUNK_K)
+        LABEL(whole)
+        MOV(frame.chunk_len, count)
+        emit_convert(frame, args, t.block_panels, count)
+
+        def emit_one(rows, a_row, out_row):
+            scratch = GeneralPurposeRegister64()
+            frame.scratch_address(scratch)
+            emit_tile(rows, t.block_panels, t.lanes, a_row, scratch, out_row, g, src, owns_w_panel=True)
+
+        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a)
+        MOV(frame.chunk_acc, 1)
+        ADD(frame.chunk_a, CHUNK_K * 4)
+        ADD(frame.chunk_w, CHUNK_K * NR * 2)
+        SUB(frame.k_left, CHUNK_K)
+        JA(chunks.begin)
 
 
 def advance_panels(g, args, weight_type, panels):
@@ -400,19 +543,27 @@ def emit_gemm(isa, weight_type):
     with fn:
         # The first six arguments live in registers for the whole call; the
         # rest are re-read from the stack where needed (GP registers are short).
-        g = Globals()
-        for reg, name in ((g.a, "a"), (g.w, "w"), (g.out, "out"), (g.lda, "lda"), (g.ldo, "ldo"),
-                          (g.ncols_left, "ncols")):
-            LOAD.ARGUMENT(reg, args[name])
-        SHL(g.lda, 2)
-        SHL(g.ldo, 2)
-
+        converts = isa == "avx512" and weight_type == "f16"
+        frame = ConvertFrame(t.block_panels) if converts else None
+        g = Globals(in_frame=converts)
+        g.load(args)
         block_columns = t.block_panels * NR
         blocks = Loop(_unique("blocks"))
         CMP(g.ncols_left, block_columns)
         JB(blocks.end)
         with blocks:
+            if converts:
+                few_rows, block_done = _label("few_rows"), _label("block_done")
+                m = GeneralPurposeRegister64()
+                LOAD.ARGUMENT(m, args["m"])
+                CMP(m, CONVERT_MIN_ROWS)
+                JB(few_rows)
+                emit_block_converted(g, args, t, frame)
+                JMP(block_done)
+                LABEL(few_rows)
             emit_block(g, args, weight_type, t)
+            if converts:
+                LABEL(block_done)
             advance_panels(g, args, weight_type, t.block_panels)
             CMP(g.ncols_left, block_columns)
             JAE(blocks.begin)

@@ -2,48 +2,61 @@
 
 The weights come packed by runtime/layout_float.py: panels of NR = 16 weight
 rows, k-major inside a panel, so one k step of a panel is 16 contiguous
-weights (two ymm loads, f32; or two VCVTPH2PS loads, f16). The activations A
-stay as they are (row-major, any row stride): each k step broadcasts one
-element of each of MR = 6 rows.
+weights (two ymm or one zmm of f32; f16 widened with VCVTPH2PS as it loads).
+The activations A stay as they are (row-major, any row stride): each k step
+broadcasts one element of each row of the tile.
 
-Register tile (BLIS-style, Haswell sgemm shape): 6 rows x 16 columns = 12 ymm
-accumulators + 2 weight registers + 1 broadcast = 15 of the 16 ymm. Twelve
-independent FMA chains cover the FMA latency (4 cycles) x 2 FMA pipes = 8 in
-flight with room to spare; each k step issues 12 FMAs for 8 loads.
+Summation order (batch invariance, DESIGN.md "Many sequences"): every output
+C[i, j] is ONE chain of FMAs over k in order 0, 1, ..., k-1, starting from
++0.0, in one f32 lane. No tile splits k over several accumulators, and a k
+block after the first (``accumulate`` = 1) loads the partial sums from out
+and continues the same chain, so blocking changes no bit. Tile shapes, ISAs
+and the row's position only change which lane and register hold the chain:
+a row's result is the same bits whatever m is, wherever the row sits in its
+tile, and on either kernel (tests/test_gemm.py checks all three).
 
-Tiles with fewer rows (the m remainder, and m == 1 decode) have fewer chains,
-so they split the k loop over 2 or 4 accumulator sets (k step u feeds set
-u % sets) that are summed at the end: a 1-row tile would otherwise run at one
-FMA per 2 cycles, bound by the FMA latency rather than by the weight stream.
+With one chain per output, a tile needs enough outputs for the FMA latency
+(4 cycles x 2 pipes = 8 chains in flight). A call walks the columns in
+blocks of ``block_panels`` panels; inside a block the rows go in tiles, and a
+tile of few rows covers several panels of the block at once so that even
+m = 1 has 4 (AVX2) or 3 (AVX-512) vectors in flight on as many weight streams:
 
-One call computes the columns [0, ncols) of ``out`` over rows [0, m) for one
-block of k (``kc`` steps): for every panel, for every 6-row tile of A. The
-first tile streams the panel in from memory (software-prefetched), the
-others read it from L2; the binding chooses kc (k blocking) and splits large
-m (see runtime/native/gemm.py for the measurements). ``accumulate`` = 0 overwrites
-``out``, 1 adds to it (the k blocks after the first). Columns beyond ncols
-of the last panel are computed on zero padding and never stored (masked
-stores), rows beyond m are never computed.
+    avx2    block of 2 panels: 6-, 5-, 4-row tiles 1 panel wide (two ymm per panel,
+            12 + 2 weights + 1 broadcast = 15 ymm); 3-, 2-, 1-row tiles 2 panels wide
+    avx512  block of 3 panels: 8-row tiles x 3 panels = 24 zmm accumulators (zmm16-31
+            named directly) + 3 weights + 2 broadcasts; 1..7-row tiles also 3 wide
 
-    llb_gemm_<wtype>_f32_6x16__avx2(a, w, out, lda, ldo, ncols, m, kc, panel_stride, accumulate)
+Columns after the last whole block (fewer than block_panels panels, the last
+possibly partial) run ymm tiles one panel wide with masked loads and stores
+(the same code on both ISAs: PeachPy 2021 cannot track AVX-512 mask registers).
+Rows beyond m are never computed; columns beyond ncols are never stored.
+
+Loop order: blocks outside, row tiles inside. The first row tile streams the
+block's panels from memory (software-prefetched, one PREFETCHT0 per 64-byte
+line of each stream); the other tiles read them from L2.
+
+    llb_gemm_<wtype>_f32_<tile>__<isa>(a, w, out, lda, ldo, ncols, m, kc, panel_stride, accumulate)
 
     a             &A[0, k0]                  f32, row stride lda elements
     w             &panel[n0 / 16][k0][0]     f32 or f16 (as uint16), panel stride panel_stride elements
     out           &C[0, n0]                  f32, row stride ldo elements
+    ncols         columns to compute from n0; m rows; kc k steps from k0
+    accumulate    0: C = A . W^T over the block; 1: C += (continuing each chain)
 """
 import itertools
+from dataclasses import dataclass
 
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            VXORPS, VADDPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
-                            VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, CMP, TEST, JB, JAE, JBE, JNE, JZ, JNZ, JMP)
+from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
+                            LocalVariable, JA, JBE, AND, VMOVAPS, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
+                            VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
 
 from .common import Kernel, function, symbol, tail_mask
+from .contract import PANEL as NR
+from .peachpy_ext import upper_zmm_function
 
-MR = 6                # rows of A per register tile
-NR = 16               # weight rows per panel = columns of C per tile (two ymm)
+ISAS = ("avx2", "avx512")
 K_UNROLL = 4          # k steps per main-loop iteration
-LANES = 8
-# Software prefetch of the weight stream, this many bytes ahead (one PREFETCHT0
+# Software prefetch of the weight streams, this many bytes ahead (one PREFETCHT0
 # per 64-byte line). The hardware prefetcher alone left a single weight stream
 # from DRAM at 44 GB/s; 16 KiB ahead gave 53 (f32) / 65 (f16) GB/s for m == 1
 # and took 4096x4096 at m = 16 from 76 to 124 GFLOP/s (Zen 5). 8 KiB was
@@ -53,6 +66,36 @@ PREFETCH_DISTANCE = 16384
 # Bytes of one element of the weight panel, by weight type.
 WEIGHT_BYTES = {"f32": 4, "f16": 2}
 WEIGHT_C_TYPE = {"f32": "const float*", "f16": "const uint16_t*"}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one ISA's kernel covers a block of ``block_panels`` panels."""
+    lanes: int             # f32 lanes of the vector register
+    block_panels: int      # panels per column block
+    full_rows: int         # rows of the main tile
+    panels: dict           # rows -> panels per tile (a divisor of block_panels)
+
+    @property
+    def name(self):
+        return f"{self.full_rows}x{NR * self.block_panels}"
+
+
+TILINGS = {
+    "avx2": Tiling(lanes=8, block_panels=2, full_rows=6, panels={6: 1, 5: 1, 4: 1, 3: 2, 2: 2, 1: 2}),
+    "avx512": Tiling(lanes=16, block_panels=3, full_rows=8, panels={r: 3 for r in range(1, 9)}),
+}
+# the ymm tiles of the columns after the last whole block (both ISAs)
+EDGE_ROWS = 6
+# AVX-512 f16 with at least this many rows: each block's weights are widened to f32 once per
+# CHUNK_K k steps into a stack buffer that every row tile then reads, instead of once per
+# row tile (VCVTPH2PS zmm takes two uops on the FMA ports: 3 of them beside a k step's 24
+# FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
+CONVERT_MIN_ROWS = 32
+CHUNK_K = 256
+
+# Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
+UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
 
 _label_ids = itertools.count()
 
@@ -67,74 +110,143 @@ def _label(what):
     return Label(_unique(what))
 
 
-def accumulator_sets(rows):
-    """Independent accumulator sets for a tile of ``rows`` rows: enough FMA chains
-    to hide the FMA latency, within 15 ymm (sets * 2 * rows + 3)."""
-    if rows == 1:
-        return 4
-    if rows <= 3:
-        return 2
-    return 1
+def tiling(isa):
+    return TILINGS[isa]
 
 
-class TileRegisters:
-    """The GP registers a tile reads: row pointers of A and the weight pointer."""
-
-    def __init__(self, a_row0, a_row3, lda, w_ptr):
-        self.a_row0, self.a_row3, self.lda, self.w_ptr = a_row0, a_row3, lda, w_ptr
-
-    def a_element(self, row, k_offset_bytes):
-        """Address of A[row, kk + k_offset]: rows 0..2 from a_row0, 3..5 from a_row3 (lda scaled 1, 2)."""
-        base = self.a_row0 if row < 3 else self.a_row3
-        step = row % 3
-        if step == 0:
-            return [base + k_offset_bytes]
-        return [base + self.lda * step + k_offset_bytes]
+def kernel_tile(isa):
+    """The tile in the kernel's symbol: main-tile rows x block columns."""
+    return TILINGS[isa].name
 
 
-def load_weights(w_regs, w_ptr, weight_type, k_step):
-    """Load the 16 weights of one k step of the panel into two ymm (as f32)."""
-    esize = WEIGHT_BYTES[weight_type]
-    offset = k_step * NR * esize
-    for half, reg in enumerate(w_regs):
-        address = [w_ptr + offset + half * LANES * esize]
-        if weight_type == "f32":
-            VMOVUPS(reg, address)
+class RowPointers:
+    """Row i of a tile at base[i // 3] + lda * (i % 3): LEA scales by 1 and 2 only."""
+
+    def __init__(self, first_row, lda, rows):
+        self.lda = lda
+        self.bases = [GeneralPurposeRegister64() for _ in range(-(-rows // 3))]
+        MOV(self.bases[0], first_row)
+        for previous, base in zip(self.bases, self.bases[1:]):
+            LEA(base, [previous + lda * 2])
+            ADD(base, lda)
+
+    def address(self, row, offset_bytes=0):
+        base, step = self.bases[row // 3], row % 3
+        return [base + offset_bytes] if step == 0 else [base + self.lda * step + offset_bytes]
+
+    def advance(self, nbytes):
+        for base in self.bases:
+            ADD(base, nbytes)
+
+
+class PanelPointers:
+    """Panel p of a tile at w + stride * p (p < 3): one pointer and the panel stride, in bytes,
+    in a register or (an int) a constant."""
+
+    def __init__(self, first_panel, stride, panels, owned=False):
+        assert panels <= 3
+        self.stride, self.panels = stride, panels
+        if owned:
+            self.base = first_panel
         else:
-            VCVTPH2PS(reg, address)
+            self.base = GeneralPurposeRegister64()
+            MOV(self.base, first_panel)
+
+    def address(self, panel, offset_bytes=0):
+        if panel == 0:
+            return [self.base + offset_bytes]
+        if isinstance(self.stride, int):
+            return [self.base + (self.stride * panel + offset_bytes)]
+        return [self.base + self.stride * panel + offset_bytes]
+
+    def advance(self, nbytes):
+        ADD(self.base, nbytes)
 
 
-def emit_k_loop(rows, regs, count, weight_type):
-    """Accumulate the tile over ``count`` k steps; returns the accumulators [row][half]."""
-    sets = accumulator_sets(rows)
-    acc = [[[YMMRegister() for _ in range(2)] for _ in range(rows)] for _ in range(sets)]
-    for reg in (r for s in acc for row in s for r in row):
-        VXORPS(reg, reg, reg)
-    w_regs = [YMMRegister(), YMMRegister()]
-    a_bcast = YMMRegister()
+class Source:
+    """Where a tile's weights, k count and accumulate flag come from: by default the call's
+    weight panels and arguments; the converted f16 path points the tiles at f32 panels on
+    the stack (constant stride), with the chunk's count and flag in stack slots."""
+
+    def __init__(self, args, weight_type, count=None, accumulate=None, panel_bytes=None, prefetch=True):
+        self.args, self.weight_type = args, weight_type
+        self.count, self.accumulate, self.panel_bytes, self.prefetch = count, accumulate, panel_bytes, prefetch
+
+    def load_count(self, reg):
+        LOAD.ARGUMENT(reg, self.args["kc"]) if self.count is None else MOV(reg, self.count)
+
+    def load_accumulate(self, reg):
+        LOAD.ARGUMENT(reg, self.args["accumulate"]) if self.accumulate is None else MOV(reg, self.accumulate)
+
+    def panel_stride(self):
+        """The panel stride in bytes: a constant, or a register holding it."""
+        if self.panel_bytes is not None:
+            return self.panel_bytes
+        stride = GeneralPurposeRegister64()
+        LOAD.ARGUMENT(stride, self.args["panel_stride"])
+        SHL(stride, WEIGHT_BYTES[self.weight_type].bit_length() - 1)      # elements -> bytes
+        return stride
+
+
+def load_weights(regs, address, weight_type, lanes):
+    """The 16 weights of one k step of one panel, as f32, into ``regs`` (16 / lanes vectors)."""
     esize = WEIGHT_BYTES[weight_type]
+    for half, reg in enumerate(regs):
+        at = list(address)
+        at[0] = at[0] + half * lanes * esize
+        if weight_type == "f32":
+            VMOVUPS(reg, at)
+        else:
+            VCVTPH2PS(reg, at)
 
-    def k_step(u, accs):
-        if (u * NR * esize) % 64 == 0:
-            PREFETCHT0([regs.w_ptr + PREFETCH_DISTANCE + u * NR * esize])
-        load_weights(w_regs, regs.w_ptr, weight_type, u)
-        for row in range(rows):
-            VBROADCASTSS(a_bcast, regs.a_element(row, 4 * u))
-            VFMADD231PS(accs[row][0], w_regs[0], a_bcast)
-            VFMADD231PS(accs[row][1], w_regs[1], a_bcast)
+
+def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
+    """acc[row][panel][half] += A[row, k] * W[panel, k, half] for ``count`` k steps, k in order."""
+    rows, n_panels, halves = len(acc), len(acc[0]), len(acc[0][0])
+    esize = WEIGHT_BYTES[weight_type]
+    step_bytes = NR * esize
+    vector = YMMRegister if lanes == 8 else ZMMRegister
+
+    if lanes == 8:
+        # per panel: its two weight vectors, then every row's broadcast (15 ymm at most)
+        w_regs = [vector() for _ in range(halves)]
+        a_bcast = vector()
+
+        def k_step(u):
+            for p in range(n_panels):
+                if prefetch and (u * step_bytes) % 64 == 0:
+                    PREFETCHT0(panels.address(p, PREFETCH_DISTANCE + u * step_bytes))
+                load_weights(w_regs, panels.address(p, u * step_bytes), weight_type, lanes)
+                for row in range(rows):
+                    VBROADCASTSS(a_bcast, a_rows.address(row, 4 * u))
+                    for h in range(halves):
+                        VFMADD231PS(acc[row][p][h], w_regs[h], a_bcast)
+    else:
+        # every panel's weights, then each row's broadcast against all of them
+        w_regs = [vector() for _ in range(n_panels)]
+        a_bcasts = [vector(), vector()]
+
+        def k_step(u):
+            for p in range(n_panels):
+                if prefetch and (u * step_bytes) % 64 == 0:
+                    PREFETCHT0(panels.address(p, PREFETCH_DISTANCE + u * step_bytes))
+                load_weights([w_regs[p]], panels.address(p, u * step_bytes), weight_type, lanes)
+            for row in range(rows):
+                bcast = a_bcasts[row % 2]
+                VBROADCASTSS(bcast, a_rows.address(row, 4 * u))
+                for p in range(n_panels):
+                    VFMADD231PS(acc[row][p][0], w_regs[p], bcast)
 
     def advance(steps):
-        ADD(regs.a_row0, 4 * steps)
-        if rows > 3:
-            ADD(regs.a_row3, 4 * steps)
-        ADD(regs.w_ptr, NR * esize * steps)
+        a_rows.advance(4 * steps)
+        panels.advance(step_bytes * steps)
 
     unrolled = Loop(_unique("k_unrolled"))
     CMP(count, K_UNROLL)
     JB(unrolled.end)
     with unrolled:
         for u in range(K_UNROLL):
-            k_step(u, acc[u % sets])
+            k_step(u)
         advance(K_UNROLL)
         SUB(count, K_UNROLL)
         CMP(count, K_UNROLL)
@@ -144,115 +256,278 @@ def emit_k_loop(rows, regs, count, weight_type):
     TEST(count, count)
     JZ(single.end)
     with single:
-        k_step(0, acc[0])
+        k_step(0)
         advance(1)
         SUB(count, 1)
         JNZ(single.begin)
 
-    for s in range(1, sets):
-        for row in range(rows):
-            for half in range(2):
-                VADDPS(acc[0][row][half], acc[0][row][half], acc[s][row][half])
-    return acc[0]
+
+def out_vector_address(outs, row, panel, half, lanes, column_bytes):
+    return outs.address(row, column_bytes + panel * NR * 4 + half * lanes * 4)
 
 
-def emit_store(acc, out_row0, ldo, ncols_left, accumulate_arg):
-    """Store (or add into) the tile at out_row0; lanes at columns >= ncols_left are not touched."""
-    rows = len(acc)
-    out_row3 = GeneralPurposeRegister64()
-    if rows > 3:
-        LEA(out_row3, [ldo + ldo * 2])
-        ADD(out_row3, out_row0)
-
-    def out_address(row, half):
-        base = out_row0 if row < 3 else out_row3
-        step = row % 3
-        offset = half * LANES * 4
-        return [base + offset] if step == 0 else [base + ldo * step + offset]
-
-    tiles = [(row, half) for row in range(rows) for half in range(2)]
+def emit_init(acc, outs, src, lanes, column_bytes, masks=None):
+    """acc = 0, or (accumulate) the partial sums in out; masked lanes load 0."""
     accumulate = GeneralPurposeRegister64()
-    LOAD.ARGUMENT(accumulate, accumulate_arg)
-    masked, done = _label("store_masked"), _label("store_done")
-    full_overwrite, masked_overwrite = _label("store_full_overwrite"), _label("store_masked_overwrite")
-
-    CMP(ncols_left, NR)
-    JB(masked)
+    src.load_accumulate(accumulate)
+    zero, done = _label("init_zero"), _label("init_done")
     TEST(accumulate, accumulate)
-    JZ(full_overwrite)
-    for row, half in tiles:
-        VADDPS(acc[row][half], acc[row][half], out_address(row, half))
-    LABEL(full_overwrite)
-    for row, half in tiles:
-        VMOVUPS(out_address(row, half), acc[row][half])
+    JZ(zero)
+    for row, per_panel in enumerate(acc):
+        for p, halves in enumerate(per_panel):
+            for h, reg in enumerate(halves):
+                at = out_vector_address(outs, row, p, h, lanes, column_bytes)
+                if masks is None:
+                    VMOVUPS(reg, at)
+                else:
+                    VMASKMOVPS(reg, masks[h], at)
     JMP(done)
-
-    LABEL(masked)
-    masks = [YMMRegister(), YMMRegister()]
-    tail_mask(masks[0], ncols_left)
-    cols_in_high_half = GeneralPurposeRegister64()
-    LEA(cols_in_high_half, [ncols_left - LANES])    # <= 0 leaves the high mask empty
-    tail_mask(masks[1], cols_in_high_half)
-    TEST(accumulate, accumulate)
-    JZ(masked_overwrite)
-    previous = YMMRegister()
-    for row, half in tiles:
-        VMASKMOVPS(previous, masks[half], out_address(row, half))
-        VADDPS(acc[row][half], acc[row][half], previous)
-    LABEL(masked_overwrite)
-    for row, half in tiles:
-        VMASKMOVPS(out_address(row, half), masks[half], acc[row][half])
+    LABEL(zero)
+    for reg in (r for per_panel in acc for halves in per_panel for r in halves):
+        VXORPS(reg, reg, reg)
     LABEL(done)
 
 
-def emit_tile(rows, a_row, w_panel, lda, out_row, ldo, ncols_left, args, weight_type):
-    """One rows x 16 tile over the call's k block: k loop, then store."""
-    a_row0, w_ptr, count = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
-    MOV(a_row0, a_row)
-    MOV(w_ptr, w_panel)
-    LOAD.ARGUMENT(count, args["kc"])
-    a_row3 = GeneralPurposeRegister64()
-    if rows > 3:
-        LEA(a_row3, [lda + lda * 2])
-        ADD(a_row3, a_row0)
-    acc = emit_k_loop(rows, TileRegisters(a_row0, a_row3, lda, w_ptr), count, weight_type)
-    emit_store(acc, out_row, ldo, ncols_left, args["accumulate"])
+def emit_store(acc, outs, lanes, column_bytes, masks=None):
+    for row, per_panel in enumerate(acc):
+        for p, halves in enumerate(per_panel):
+            for h, reg in enumerate(halves):
+                at = out_vector_address(outs, row, p, h, lanes, column_bytes)
+                if masks is None:
+                    VMOVUPS(at, reg)
+                else:
+                    VMASKMOVPS(at, masks[h], reg)
+
+
+def make_accumulators(rows, n_panels, lanes):
+    halves = NR // lanes
+    if lanes == 8:
+        return [[[YMMRegister() for _ in range(halves)] for _ in range(n_panels)] for _ in range(rows)]
+    upper = iter(UPPER_ZMM)
+    return [[[next(upper, None) or ZMMRegister()] for _ in range(n_panels)] for _ in range(rows)]
+
+
+def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None,
+              column_bytes=0, owns_w_panel=False):
+    """One tile: rows x n_panels panels over the call's k block (init, k loop, store), at
+    ``column_bytes`` right of out_row; ``masks()`` emits the two ymm lane masks of an edge
+    tile; ``owns_w_panel``: advance w_panel itself along k."""
+    acc = make_accumulators(rows, n_panels, lanes)
+    outs = RowPointers(out_row, g.ldo, rows)
+    emit_init(acc, outs, src, lanes, column_bytes, masks and masks())
+    a_rows = RowPointers(a_row, g.lda, rows)
+    stride = src.panel_stride() if n_panels > 1 else None
+    panels = PanelPointers(w_panel, stride, n_panels, owned=owns_w_panel)
+    count = GeneralPurposeRegister64()
+    src.load_count(count)
+    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch)
+    outs = RowPointers(out_row, g.ldo, rows)
+    emit_store(acc, outs, lanes, column_bytes, masks and masks())
 
 
 def advance_rows(pointer, stride, rows):
-    """pointer += rows * stride, for rows a multiple of 3 (LEA scales by 2, then one ADD)."""
+    """pointer += rows * stride (LEA scales by 2, then one ADD, per 3 rows; the rest one ADD each)."""
     for _ in range(rows // 3):
         LEA(pointer, [pointer + stride * 2])
         ADD(pointer, stride)
+    for _ in range(rows % 3):
+        ADD(pointer, stride)
 
 
-def emit_column_of_tiles(a, w_panel, lda, out_panel, ldo, ncols_left, args, weight_type):
-    """All rows of A against one panel: full 6-row tiles, then the 1..5-row remainder."""
+class Globals:
+    """What a whole call keeps: pointers to the current column block, strides in bytes. With
+    a stack frame (which takes rbp), A and out wait in stack slots to spare two registers."""
+
+    def __init__(self, in_frame=False):
+        self.a, self.out = (LocalVariable(8) if in_frame else GeneralPurposeRegister64() for _ in range(2))
+        self.w, self.lda, self.ldo, self.ncols_left = (GeneralPurposeRegister64() for _ in range(4))
+
+    def load(self, args):
+        for name in ("a", "w", "out", "lda", "ldo", "ncols"):
+            target = getattr(self, "ncols_left" if name == "ncols" else name)
+            if isinstance(target, LocalVariable):
+                reg = GeneralPurposeRegister64()
+                LOAD.ARGUMENT(reg, args[name])
+                MOV(target, reg)
+            else:
+                LOAD.ARGUMENT(target, args[name])
+        SHL(self.lda, 2)
+        SHL(self.ldo, 2)
+
+
+def emit_rows(g, args, full_rows, emit_one, a_start=None):
+    """All rows of A against the current column block: ``full_rows``-row tiles, then the
+    remainder. ``emit_one(rows, a_row, out_row)`` emits one tile; A from ``a_start``
+    (default g.a)."""
     a_row, out_row, m_left = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
-    MOV(a_row, a)
-    MOV(out_row, out_panel)
+    MOV(a_row, g.a if a_start is None else a_start)
+    MOV(out_row, g.out)
     LOAD.ARGUMENT(m_left, args["m"])
-    column_done = _label("column_done")
+    rows_done = _label("rows_done")
 
     full_tiles = Loop(_unique("full_tiles"))
-    CMP(m_left, MR)
+    CMP(m_left, full_rows)
     JB(full_tiles.end)
     with full_tiles:
-        emit_tile(MR, a_row, w_panel, lda, out_row, ldo, ncols_left, args, weight_type)
-        advance_rows(a_row, lda, MR)
-        advance_rows(out_row, ldo, MR)
-        SUB(m_left, MR)
-        CMP(m_left, MR)
+        emit_one(full_rows, a_row, out_row)
+        advance_rows(a_row, g.lda, full_rows)
+        advance_rows(out_row, g.ldo, full_rows)
+        SUB(m_left, full_rows)
+        CMP(m_left, full_rows)
         JAE(full_tiles.begin)
 
-    for rows in range(MR - 1, 0, -1):
+    for rows in range(full_rows - 1, 0, -1):
         not_this = _label(f"not_{rows}_rows")
         CMP(m_left, rows)
         JNE(not_this)
-        emit_tile(rows, a_row, w_panel, lda, out_row, ldo, ncols_left, args, weight_type)
-        JMP(column_done)
+        emit_one(rows, a_row, out_row)
+        JMP(rows_done)
         LABEL(not_this)
-    LABEL(column_done)
+    LABEL(rows_done)
+
+
+def emit_block(g, args, weight_type, t):
+    """One whole block of t.block_panels panels."""
+    esize = WEIGHT_BYTES[weight_type]
+    src = Source(args, weight_type)
+
+    def emit_one(rows, a_row, out_row):
+        per_tile = t.panels[rows]
+        for first in range(0, t.block_panels, per_tile):
+            w_panel = g.w
+            if first:
+                w_panel = GeneralPurposeRegister64()
+                LOAD.ARGUMENT(w_panel, args["panel_stride"])
+                IMUL(w_panel, w_panel, first * esize)
+                ADD(w_panel, g.w)
+            emit_tile(rows, per_tile, t.lanes, a_row, w_panel, out_row, g, src,
+                      column_bytes=first * NR * 4, owns_w_panel=bool(first))
+
+    emit_rows(g, args, t.full_rows, emit_one)
+
+
+def emit_edge_panel(g, args, weight_type):
+    """One panel (the columns after the whole blocks): ymm tiles with masked loads and stores."""
+
+    def masks():
+        """The lanes of columns < ncols_left in each half (made twice a tile: no register
+        is free for them during the k loop of a 6-row tile)."""
+        low, high = YMMRegister(), YMMRegister()
+        tail_mask(low, g.ncols_left)
+        cols_in_high_half = GeneralPurposeRegister64()
+        LEA(cols_in_high_half, [g.ncols_left - 8])     # <= 0 leaves the high mask empty
+        tail_mask(high, cols_in_high_half)
+        return [low, high]
+
+    src = Source(args, weight_type)
+
+    def emit_one(rows, a_row, out_row):
+        emit_tile(rows, 1, 8, a_row, g.w, out_row, g, src, masks=masks)
+
+    emit_rows(g, args, EDGE_ROWS, emit_one)
+
+
+class ConvertFrame:
+    """Stack slots of the converted f16 path (codegen/gemm.py CONVERT_MIN_ROWS)."""
+
+    def __init__(self, block_panels):
+        self.panel_bytes = CHUNK_K * NR * 4
+        # aligned by hand: PeachPy 2021 gives an aligned LocalVariable an rbp frame and then
+        # hands rbp out as a register too
+        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8)
+        self.k_left, self.chunk_len, self.chunk_a, self.chunk_w, self.chunk_acc = \
+            (LocalVariable(8) for _ in range(5))
+
+    def scratch_address(self, reg):
+        """reg = the buffer's first 64-byte aligned byte."""
+        LEA(reg, self.scratch)
+        ADD(reg, 63)
+        AND(reg, -64)
+
+
+def emit_convert(frame, args, n_panels, count):
+    """scratch[p][kk][:] = f32(W[p][k0 + kk][:]) for kk < count (consumed), p < n_panels."""
+    src, dst, stride = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
+    MOV(src, frame.chunk_w)
+    frame.scratch_address(dst)
+    LOAD.ARGUMENT(stride, args["panel_stride"])
+    SHL(stride, 1)                          # f16 elements -> bytes
+    regs = [ZMMRegister() for _ in range(n_panels)]
+
+    def panel(p, offset):
+        return [src + offset] if p == 0 else [src + stride * p + offset]
+
+    def steps(count_steps):
+        for u in range(count_steps):
+            for p, reg in enumerate(regs):
+                if u % 2 == 0:
+                    PREFETCHT0(panel(p, PREFETCH_DISTANCE + 32 * u))
+                VCVTPH2PS(reg, panel(p, 32 * u))
+                VMOVAPS([dst + (p * frame.panel_bytes + 64 * u)], reg)
+        ADD(src, 32 * count_steps)
+        ADD(dst, 64 * count_steps)
+
+    pairs = Loop(_unique("convert_pairs"))
+    CMP(count, 2)
+    JB(pairs.end)
+    with pairs:
+        steps(2)
+        SUB(count, 2)
+        CMP(count, 2)
+        JAE(pairs.begin)
+    last = _label("convert_done")
+    TEST(count, count)
+    JZ(last)
+    steps(1)
+    LABEL(last)
+
+
+def emit_block_converted(g, args, t, frame):
+    """One whole block of f16 panels, CHUNK_K k steps at a time: widen the chunk into the
+    stack buffer, then run every row tile over it (continuing each chain after the first)."""
+    reg = GeneralPurposeRegister64()
+    LOAD.ARGUMENT(reg, args["kc"])
+    MOV(frame.k_left, reg)
+    MOV(reg, g.a)
+    MOV(frame.chunk_a, reg)
+    MOV(frame.chunk_w, g.w)
+    accumulate = GeneralPurposeRegister64()
+    LOAD.ARGUMENT(accumulate, args["accumulate"])
+    MOV(frame.chunk_acc, accumulate)
+    src = Source(args, "f32", count=frame.chunk_len, accumulate=frame.chunk_acc,
+                 panel_bytes=frame.panel_bytes, prefetch=False)
+
+    chunks = Loop(_unique("chunks"))
+    with chunks:
+        count, whole = GeneralPurposeRegister64(), _label("whole_chunk")
+        MOV(count, frame.k_left)
+        CMP(count, CHUNK_K)
+        JBE(whole)
+        MOV(count, CHUNK_K)
+        LABEL(whole)
+        MOV(frame.chunk_len, count)
+        emit_convert(frame, args, t.block_panels, count)
+
+        def emit_one(rows, a_row, out_row):
+            scratch = GeneralPurposeRegister64()
+            frame.scratch_address(scratch)
+            emit_tile(rows, t.block_panels, t.lanes, a_row, scratch, out_row, g, src, owns_w_panel=True)
+
+        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a)
+        MOV(frame.chunk_acc, 1)
+        ADD(frame.chunk_a, CHUNK_K * 4)
+        ADD(frame.chunk_w, CHUNK_K * NR * 2)
+        SUB(frame.k_left, CHUNK_K)
+        JA(chunks.begin)
+
+
+def advance_panels(g, args, weight_type, panels):
+    stride = GeneralPurposeRegister64()
+    LOAD.ARGUMENT(stride, args["panel_stride"])
+    IMUL(stride, stride, panels * WEIGHT_BYTES[weight_type])
+    ADD(g.w, stride)
+    ADD(g.out, panels * NR * 4)
+    SUB(g.ncols_left, panels * NR)
 
 
 SIGNATURE_TAIL = [("out", "float*"), ("lda", "size_t"), ("ldo", "size_t"), ("ncols", "size_t"),
@@ -260,36 +535,52 @@ SIGNATURE_TAIL = [("out", "float*"), ("lda", "size_t"), ("ldo", "size_t"), ("nco
 
 
 def emit_gemm(isa, weight_type):
+    t = TILINGS[isa]
     sig = [("a", "const float*"), ("w", WEIGHT_C_TYPE[weight_type])] + SIGNATURE_TAIL
-    fn, arguments = function(symbol("gemm", f"{weight_type}_f32", f"{MR}x{NR}", isa), sig, isa)
+    open_function = function if isa == "avx2" else upper_zmm_function
+    fn, arguments = open_function(symbol("gemm", f"{weight_type}_f32", t.name, isa), sig, isa)
     args = dict(zip((name for name, _ in sig), arguments))
-    esize = WEIGHT_BYTES[weight_type]
     with fn:
         # The first six arguments live in registers for the whole call; the
         # rest are re-read from the stack where needed (GP registers are short).
-        a, w_panel, out_panel = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
-        lda, ldo, ncols_left = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
-        for reg, name in ((a, "a"), (w_panel, "w"), (out_panel, "out"), (lda, "lda"), (ldo, "ldo"),
-                          (ncols_left, "ncols")):
-            LOAD.ARGUMENT(reg, args[name])
-        SHL(lda, 2)
-        SHL(ldo, 2)
+        converts = isa == "avx512" and weight_type == "f16"
+        frame = ConvertFrame(t.block_panels) if converts else None
+        g = Globals(in_frame=converts)
+        g.load(args)
+        block_columns = t.block_panels * NR
+        blocks = Loop(_unique("blocks"))
+        CMP(g.ncols_left, block_columns)
+        JB(blocks.end)
+        with blocks:
+            if converts:
+                few_rows, block_done = _label("few_rows"), _label("block_done")
+                m = GeneralPurposeRegister64()
+                LOAD.ARGUMENT(m, args["m"])
+                CMP(m, CONVERT_MIN_ROWS)
+                JB(few_rows)
+                emit_block_converted(g, args, t, frame)
+                JMP(block_done)
+                LABEL(few_rows)
+            emit_block(g, args, weight_type, t)
+            if converts:
+                LABEL(block_done)
+            advance_panels(g, args, weight_type, t.block_panels)
+            CMP(g.ncols_left, block_columns)
+            JAE(blocks.begin)
 
-        panels = Loop(_unique("panels"))
-        with panels:
-            emit_column_of_tiles(a, w_panel, lda, out_panel, ldo, ncols_left, args, weight_type)
-            CMP(ncols_left, NR)
-            JBE(panels.end)
-            SUB(ncols_left, NR)
-            panel_stride = GeneralPurposeRegister64()
-            LOAD.ARGUMENT(panel_stride, args["panel_stride"])
-            SHL(panel_stride, esize.bit_length() - 1)      # elements -> bytes
-            ADD(w_panel, panel_stride)
-            ADD(out_panel, NR * 4)
-            JMP(panels.begin)
+        edge = Loop(_unique("edge_panels"))
+        TEST(g.ncols_left, g.ncols_left)
+        JZ(edge.end)
+        with edge:
+            emit_edge_panel(g, args, weight_type)
+            CMP(g.ncols_left, NR)
+            JB(edge.end)
+            advance_panels(g, args, weight_type, 1)
+            TEST(g.ncols_left, g.ncols_left)
+            JNE(edge.begin)
         VZEROUPPER()    # PeachPy does not add it; SSE code after us must not pay for dirty upper halves
         RETURN()
-    return Kernel(fn, "gemm", isa, tile=f"{MR}x{NR}", args=sig)
+    return Kernel(fn, "gemm", isa, tile=t.name, args=sig)
 
 
 def emit(isa):

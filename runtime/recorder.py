@@ -241,7 +241,9 @@ class PlanRecorder:
     def _gemm(self, make_calls, name, x, w, out):
         # A large product is several kernel calls per thread (m and k blocks), to be
         # run in order: one op each, every thread on the same columns throughout.
-        per_thread = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r))
+        # Columns only (batch invariance), in whole column blocks of the kernels when n allows.
+        multiple = n_gemm.SPLIT_COLUMNS if w.n >= 2 * n_gemm.SPLIT_COLUMNS else LINE
+        per_thread = self._split(w.n, multiple, lambda r: make_calls(x, w, out, rows=r))
         steps = len(next(c for c in per_thread if c is not None))
         for step in range(steps):
             calls = [None if c is None else c[step] for c in per_thread]

@@ -1,14 +1,18 @@
 """The float linear layer (gemm_f32 / gemm_f16 / matmul_nt) and its weight layouts.
 
 Tolerance for every product against the float64 reference: each output is a
-sum of k products accumulated in f32 by FMA, in some order (k steps split over
-up to 4 accumulator sets, k blocks added into out), so
+sum of k products accumulated in f32 by FMA (one chain in k order, in every
+kernel variant; numpy's own order for the reference), so
 
     |got - exact| <= (k + 4) * eps32 * sum_k |x||w|        (eps32 = 2^-23)
 
 which is twice the classic k * u bound (u = 2^-24) for margin; it scales
 with the magnitudes, so the huge and tiny inputs are held to the same
 relative standard.
+
+Batch invariance (DESIGN.md "Many sequences") is checked bit for bit: a row's
+result is the same whatever m is, wherever the row sits, however the product
+is blocked or split by columns, and on every kernel variant (ISA).
 """
 import contextlib
 
@@ -27,10 +31,13 @@ EPS32 = float(np.finfo(np.float32).eps)
 PANEL = layout_float.PANEL_ROWS
 F16_MAX = 60000.0
 
-m_sizes = st.one_of(st.sampled_from([1, 5, 6, 7, 13]), st.integers(1, 100))
-n_sizes = st.one_of(st.sampled_from([1, 15, 16, 17, 33]), st.integers(1, 200))
-k_sizes = st.one_of(st.sampled_from([1, 7, 8, 9, 31]), st.integers(1, 600))
+# the kernels' tiles: 6 (AVX2) and 8 (AVX-512) rows; column blocks of 32 and 48, panels of 16;
+# k unrolled by 4
+m_sizes = st.one_of(st.sampled_from([1, 5, 6, 7, 8, 9, 13, 17]), st.integers(1, 100))
+n_sizes = st.one_of(st.sampled_from([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 95, 96, 97]), st.integers(1, 200))
+k_sizes = st.one_of(st.sampled_from([1, 3, 4, 5, 7, 8, 9, 31]), st.integers(1, 600))
 gguf_types = st.sampled_from(["F32", "BF16", "F16"])
+gemm_isas = st.sampled_from(native_gemm.gemm_isas())
 
 
 def gguf_raw(gguf_type, matrix):
@@ -75,21 +82,74 @@ def column_range(draw, n):
     return n0, draw(st.integers(n0 + 1, n))
 
 
-@given(st.data(), m_sizes, n_sizes, k_sizes, gguf_types)
-def test_gemm_matches_exact_product(native, ref, data, m, n, k, gguf_type):
+@given(st.data(), m_sizes, n_sizes, k_sizes, gguf_types, gemm_isas)
+def test_gemm_matches_exact_product(native, ref, data, m, n, k, gguf_type, isa):
     x = float_arrays(data.draw, (m, k))
     w = layout_float.pack(gguf_type, gguf_raw(gguf_type, float_arrays(data.draw, (n, k))), n, k)
     weights = layout_float.dequantize(w)
     columns = column_range(data.draw, n)
     n0, n1 = columns or (0, n)
     k_block, m_block = data.draw(st.sampled_from([(native_gemm.K_BLOCK, native_gemm.M_BLOCK), (8, 6), (5, 13)]))
-    for backend in (native, ref):
+    for backend, variant in ((native, {"isa": isa}), (ref, {})):
         out = nan_buffer((m, n))
         with blocking(k_block, m_block):
-            gemm_for(backend, w.kind)(x, w, out, rows=columns)
-        assert_close_to_exact(out[:, n0:n1], x, weights[n0:n1], f"{backend.name} {w.kind}")
+            gemm_for(backend, w.kind)(x, w, out, rows=columns, **variant)
+        assert_close_to_exact(out[:, n0:n1], x, weights[n0:n1], f"{backend.name} {w.kind} {variant}")
         assert np.isnan(out[:, :n0]).all() and np.isnan(out[:, n1:]).all(), \
-            f"{backend.name}: wrote outside columns {n0}..{n1 - 1}"
+            f"{backend.name} {variant}: wrote outside columns {n0}..{n1 - 1}"
+
+
+def assert_same_bits(got, want, what):
+    same = got.view(np.uint32) == want.view(np.uint32)
+    if not same.all():
+        row, col = np.argwhere(~same)[0]
+        raise AssertionError(f"{what}: {int((~same).sum())} outputs differ, first at row {row} column {col}: "
+                             f"{got[row, col]!r} != {want[row, col]!r}")
+
+
+@given(st.data(), st.integers(2, 40), n_sizes, st.one_of(k_sizes, st.integers(600, 1200)), gguf_types)
+def test_gemm_rows_are_batch_invariant(native, data, m, n, k, gguf_type):
+    """Every row of an m-row product is bit-identical to the same row computed alone (m = 1,
+    the decode path), at another position among other rows, blocked into k and m blocks,
+    split by columns, and on every kernel variant."""
+    x = float_arrays(data.draw, (m, k))
+    w = layout_float.pack(gguf_type, gguf_raw(gguf_type, float_arrays(data.draw, (n, k))), n, k)
+    gemm = gemm_for(native, w.kind)
+    alone = np.stack([one_row(gemm, x, i, w, "avx2") for i in range(m)])
+    perm = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).permutation(m)
+    shuffled = buffers.aligned_copy(x[perm])
+    split = PANEL * data.draw(st.integers(0, (n - 1) // PANEL))
+    for isa in native_gemm.gemm_isas():
+        for k_block, m_block in ((native_gemm.K_BLOCK, native_gemm.M_BLOCK), (8, 6), (5, 13)):
+            with blocking(k_block, m_block):
+                out = nan_buffer((m, n))
+                gemm(x, w, out, isa=isa)
+                assert_same_bits(out, alone, f"{w.kind} {isa} m={m} blocks {k_block}x{m_block}")
+                out = nan_buffer((m, n))
+                gemm(shuffled, w, out, isa=isa)
+                assert_same_bits(out, alone[perm], f"{w.kind} {isa} rows permuted")
+                out = nan_buffer((m, n))
+                if split:
+                    gemm(x, w, out, rows=(0, split), isa=isa)
+                gemm(x, w, out, rows=(split, n), isa=isa)
+                assert_same_bits(out, alone, f"{w.kind} {isa} columns split at {split}")
+        row = data.draw(st.integers(0, m - 1))
+        assert_same_bits(one_row(gemm, x, row, w, isa)[None], alone[row:row + 1], f"{w.kind} {isa} m=1")
+
+
+def one_row(gemm, x, i, w, isa):
+    """Row i of x . W^T computed alone (m = 1; the binding wants 32-byte aligned rows)."""
+    out = nan_buffer((1, w.n))
+    gemm(buffers.aligned_copy(x[i:i + 1]), w, out, isa=isa)
+    return out[0]
+
+
+def test_default_variant_is_one_of_the_tested(native):
+    for m in (1, 2, 5, 8, 64, 1000):
+        assert native_gemm.gemm_isa(m) in native_gemm.gemm_isas()
+    assert native_gemm.gemm_isas()[0] == "avx2"
+    with pytest.raises(ValueError, match="isa: expected one of"):
+        native_gemm.gemm_isa(1, "sse2")
 
 
 @given(st.data(), m_sizes, n_sizes, k_sizes)

@@ -11,6 +11,8 @@ overflow the caches, and % of one core's read bandwidth. Every call goes
 through the validating Python binding (~5-12 us), as a single op would; the
 model's plans call the kernels directly.
 numpy runs the same product in FP32 (x @ W.T with W dequantized).
+The float kinds (F32, F16) get one row per kernel variant the CPU runs (avx2, the
+baseline, and avx512), each against the FMA peak of its own register width.
 """
 import argparse
 import os
@@ -83,11 +85,13 @@ def main(argv=None):
     peaks = dict(fma=ceilings.fma_peak_gflops(), int8=ceilings.int8_peak_gops(int8_isa),
                  bw=ceilings.read_bandwidth_gbs(1))
     zmm = ceilings.fma_peak_gflops("avx512")
+    from llambda.runtime.native import gemm as n_gemm
+    fma_peaks = {"avx2": peaks["fma"], "avx512": zmm}
     print(f"ceilings (measured, one core): FMA {peaks['fma']:.0f} GFLOP/s with ymm"
           + (f" ({zmm:.0f} with zmm)" if zmm else "")
           + f", INT8 {peaks['int8']:.0f} GOP/s ({'vpdpbusd zmm' if int8_isa == 'avx512' else 'vpmaddubsw+vpmaddwd ymm'},"
-          f" the int8 GEMM's ISA), read {peaks['bw']:.1f} GB/s. FP32 % of ceiling is against the ymm FMA peak"
-          " (the float kernels are AVX2).")
+          f" the int8 GEMM's ISA), read {peaks['bw']:.1f} GB/s. FP32 % of ceiling is against the FMA peak"
+          " of the variant's registers (ymm for avx2, zmm for avx512).")
     print()
     print("| kernel | m | n x k | llambda | numpy f32 | vs numpy | % of ceiling |")
     print("|---|---:|---|---:|---:|---:|---:|")
@@ -102,13 +106,21 @@ def main(argv=None):
             lin = Linear(be, max(ms), k)
             # m = 1 streams weights: time it over copies that together overflow the caches
             copies = [w] + [_copy(w) for _ in range(-(-STREAM_BYTES // w.nbytes) - 1)]
-            for m in ms:
+            variants = [(kind, None)]
+            if w.kind in ("f32", "f16"):
+                variants = [(f"{kind} {isa}", isa) for isa in n_gemm.gemm_isas()]
+            for m, (label, isa) in ((m, v) for m in ms for v in variants):
                 x = buffers.aligned_copy(rng.standard_normal((m, k), dtype=np.float32))
                 out = buffers.empty((m, n))
-                if m == 1:
-                    t = _time(lambda: [lin(x, c, out) for c in copies]) / len(copies)
+                if isa is None:
+                    run = lin
                 else:
-                    t = _time(lambda: lin(x, w, out))
+                    op = n_gemm.gemm_f16 if w.kind == "f16" else n_gemm.gemm_f32
+                    run = lambda x, c, out: op(x, c, out, isa=isa)       # noqa: E731
+                if m == 1:
+                    t = _time(lambda: [run(x, c, out) for c in copies]) / len(copies)
+                else:
+                    t = _time(lambda: run(x, w, out))
                 t_np = _time(lambda: x @ wf.T) if wf is not None else float("nan")
                 flops = 2.0 * m * n * k
                 if m == 1:
@@ -117,10 +129,10 @@ def main(argv=None):
                     np_cell = f"{wf.nbytes / t_np / 1e9:.1f} GB/s" if wf is not None else "-"
                 else:
                     rate = flops / t / 1e9
-                    peak = peaks["int8"] if kind.startswith("Q") else peaks["fma"]
+                    peak = peaks["int8"] if kind.startswith("Q") else fma_peaks[isa or "avx2"]
                     cell, ceiling = f"{rate:.1f} GFLOP/s", rate / peak
                     np_cell = f"{flops / t_np / 1e9:.1f} GFLOP/s" if wf is not None else "-"
-                print(f"| {kind} | {m} | {n}x{k} | {cell} | {np_cell} | {t_np / t:.2f}x | {ceiling:.0%} |",
+                print(f"| {label} | {m} | {n}x{k} | {cell} | {np_cell} | {t_np / t:.2f}x | {ceiling:.0%} |",
                       flush=True)
 
 

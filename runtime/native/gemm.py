@@ -10,56 +10,104 @@ only one (decode always does) and refuse the others. ``matmul_nt`` packs its
 weight on every call, so it has no plan form: a plan packs once and uses
 ``gemm_f32_call``.
 """
+import functools
+import os
+
 import numpy as np
 
+from .. import cpu, library
 from .. import validate as v
+from ...codegen.contract import PANEL
 from ..layout_float import PANEL_ROWS, n_panels, pack
 from ..layouts import PackedWeight
 from ._lib import checked_address, index_range, kernel
 
 __all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
 
-ROW_TILE = 6            # codegen/gemm.py MR
-# Cache blocking, measured on Zen 5 (48 KiB L1d, 1 MiB L2 per core) at n = k = 4096:
-# a whole panel (k x 16 weights) read from L2 by each 6-row tile keeps the FMA
-# pipes fed (64 bytes per 6 cycles); blocking k to keep it in L1 instead was
-# 8-25 % slower (the extra load-add-store of C per block and the broken
-# weight stream cost more than L2 latency). So k is blocked only when a panel
-# would crowd L2 (K_BLOCK x 16 f32 = 256 KiB), and m only in big steps (A is
-# read from L3 per panel: 512 rows gave 125 GFLOP/s, 64 rows 113).
+ROW_TILE = 6            # rows of the AVX2 kernel's main tile (codegen/gemm.py TILINGS)
+# Cache blocking. Every output is one FMA chain over k in order whatever the blocking
+# (a k block after the first continues the chains from out), so it is a speed choice
+# only. A whole block of panels (k x 16 weights each) read from L2 by each row tile
+# keeps the FMA pipes fed; k is blocked only when a block's panels would crowd L2, and
+# m only in big steps (A is read from L3 once per column block).
 K_BLOCK = 4096
 M_BLOCK = 512
 
+# The kernel variants, baseline first: the tile in the symbol (codegen/gemm.py kernel_tile).
+GEMM_TILES = {"avx2": "6x32", "avx512": "8x48"}
+ISA_CAP = "LLAMBDA_ISA"
+# Below this many rows the AVX2 kernel is used where both run. The two compute every
+# output in the same order (bit-identical, tests/test_gemm.py), so the switch is a
+# speed choice that no result can see.
+AVX512_MIN_ROWS = 1
+# Threads split the columns in multiples of this (runtime/recorder.py): whole column
+# blocks of both kernels (2 and 3 panels), so no thread ends in a narrow edge tile.
+SPLIT_COLUMNS = 6 * PANEL
+
 F32 = np.dtype(np.float32)
-_SYMBOL = {"f32": "llb_gemm_f32_f32_6x16__avx2", "f16": "llb_gemm_f16_f32_6x16__avx2"}
 
 
-def gemm_f32(x, w, out, rows=None):
-    """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "f32" (rows=(n0, n1), default all)."""
-    for symbol, args in gemm_f32_calls(x, w, out, rows):
+def gemm_symbol(kind, isa):
+    return f"llb_gemm_{kind}_f32_{GEMM_TILES[isa]}__{isa}"
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_isas():
+    """The float GEMM variants this CPU runs and the kernel library has, baseline first."""
+    manifest = library.load("avx2").manifest
+    return tuple(isa for isa in GEMM_TILES if not cpu.missing_flags(isa)
+                 and all(gemm_symbol(kind, isa) in manifest for kind in ("f32", "f16")))
+
+
+@functools.lru_cache(maxsize=None)
+def widest_gemm_isa():
+    """The widest of gemm_isas(), or of those up to LLAMBDA_ISA when set (read once)."""
+    names = list(GEMM_TILES)
+    cap = os.environ.get(ISA_CAP) or names[-1]
+    if cap not in names:
+        raise ValueError(f"{ISA_CAP}: expected one of {', '.join(names)}, got {cap!r}")
+    return [isa for isa in gemm_isas() if names.index(isa) <= names.index(cap)][-1]
+
+
+def gemm_isa(m, isa=None):
+    """The variant that computes a product of m rows: ``isa`` if given (checked), else the
+    widest from AVX512_MIN_ROWS rows on."""
+    if isa is None:
+        widest = widest_gemm_isa()
+        return "avx2" if m < AVX512_MIN_ROWS else widest
+    if isa not in gemm_isas():
+        raise ValueError(f"isa: expected one of {', '.join(gemm_isas())} (the float GEMM variants this CPU "
+                         f"and kernel library run), got {isa!r}")
+    return isa
+
+
+def gemm_f32(x, w, out, rows=None, *, isa=None):
+    """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "f32" (rows=(n0, n1), default all).
+    ``isa`` (one of gemm_isas()) picks a kernel variant; by default the fastest for m."""
+    for symbol, args in gemm_f32_calls(x, w, out, rows, isa=isa):
         kernel(symbol)(*args)
 
 
-def gemm_f16(x, w, out, rows=None):
+def gemm_f16(x, w, out, rows=None, *, isa=None):
     """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "f16" (rows=(n0, n1), default all)."""
-    for symbol, args in gemm_f16_calls(x, w, out, rows):
+    for symbol, args in gemm_f16_calls(x, w, out, rows, isa=isa):
         kernel(symbol)(*args)
 
 
-def gemm_f32_calls(x, w, out, rows=None):
-    return _gemm_calls("f32", x, w, out, rows)
+def gemm_f32_calls(x, w, out, rows=None, *, isa=None):
+    return _gemm_calls("f32", x, w, out, rows, isa)
 
 
-def gemm_f16_calls(x, w, out, rows=None):
-    return _gemm_calls("f16", x, w, out, rows)
+def gemm_f16_calls(x, w, out, rows=None, *, isa=None):
+    return _gemm_calls("f16", x, w, out, rows, isa)
 
 
-def gemm_f32_call(x, w, out, rows=None):
-    return _single_call("gemm_f32", _gemm_calls("f32", x, w, out, rows))
+def gemm_f32_call(x, w, out, rows=None, *, isa=None):
+    return _single_call("gemm_f32", _gemm_calls("f32", x, w, out, rows, isa))
 
 
-def gemm_f16_call(x, w, out, rows=None):
-    return _single_call("gemm_f16", _gemm_calls("f16", x, w, out, rows))
+def gemm_f16_call(x, w, out, rows=None, *, isa=None):
+    return _single_call("gemm_f16", _gemm_calls("f16", x, w, out, rows, isa))
 
 
 def matmul_nt(a, b, out):
@@ -82,7 +130,7 @@ def _check_weight(kind, w):
     return checked_address("w.panels", w.arrays.get("panels"), dtype, (n_panels(w.n), w.k, PANEL_ROWS))
 
 
-def _gemm_calls(kind, x, w, out, rows):
+def _gemm_calls(kind, x, w, out, rows, isa=None):
     panels_at = _check_weight(kind, w)
     n, k = w.n, w.k
     x_at = checked_address("x", x, F32, (None, k))
@@ -95,7 +143,7 @@ def _gemm_calls(kind, x, w, out, rows):
     weight_bytes = 2 if kind == "f16" else 4
     panel_stride = k * PANEL_ROWS
     w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
-    symbol = _SYMBOL[kind]
+    symbol = gemm_symbol(kind, gemm_isa(m, isa))
     return [(symbol, [x_at + (m0 * k + k0) * 4,
                       w_start + k0 * PANEL_ROWS * weight_bytes,
                       out_at + (m0 * n + n0) * 4,

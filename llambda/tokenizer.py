@@ -19,10 +19,8 @@ suite among them). The merge loops themselves run in HF `tokenizers` (Rust);
 this module decides what each call gets to see.
 """
 import codecs
-import hashlib
 import os
 import re
-import tempfile
 from enum import IntEnum
 
 import numpy as np
@@ -306,6 +304,7 @@ _MERGE_CACHE_VERSION = 1
 
 
 def _vocabulary_digest(tokens, scores):
+    import hashlib           # (here: only SentencePiece vocabularies need it)
     digest = hashlib.sha256(f"sentencepiece merges v{_MERGE_CACHE_VERSION}\0".encode())
     digest.update("\0".join(tokens).encode("utf-8", "surrogateescape"))
     digest.update(scores.tobytes())
@@ -330,6 +329,7 @@ def _load_cached_pairs(key, n_tokens):
 
 def _store_cached_pairs(key, pairs):
     """Best effort: an unwritable cache only costs the next load the derivation again."""
+    import tempfile
     path = _merge_cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

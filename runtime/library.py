@@ -7,7 +7,6 @@ ctypes signatures come from the manifest, i.e. from what the build emitted.
 """
 import ctypes
 import functools
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -35,7 +34,7 @@ def library_dir():
 
 
 # How many (file stamps -> key) pairs the memo keeps: one per checkout that shares the cache.
-_MEMO_ENTRIES = 64
+_MEMO_ENTRIES = 32
 
 
 def current_source_key():
@@ -65,8 +64,9 @@ def current_source_key():
 
 
 def _generator_stamp():
-    """A digest of what ``source_key`` reads: the generators' file stamps, the
-    LLAMBDA_FAMILIES restriction, and the stamp of PeachPy's package (its version)."""
+    """What ``source_key`` reads, as one line per file: the generators' stamps, the
+    LLAMBDA_FAMILIES restriction, and the stamp of PeachPy's package (its version).
+    Kept as text, not hashed: hashlib would load OpenSSL for this alone."""
     import importlib.util
     from llambda import codegen
     here = Path(codegen.__file__).resolve().parent
@@ -77,8 +77,8 @@ def _generator_stamp():
         paths.append(Path(spec.origin))
     for path in paths:
         st = path.stat()
-        lines.append(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
-    return hashlib.sha256("\n".join(lines).encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        lines.append(f"{path} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
+    return "\n".join(lines)
 
 
 def _write_memo(path, memo):

@@ -14,6 +14,7 @@ call per thread (only the position is patched between tokens). With the numpy
 backend the same code calls the reference ops directly.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -27,6 +28,8 @@ from .arch import LM_HEAD
 # Prompt tokens per prefill chunk: big enough for GEMM efficiency, small
 # enough that the activation buffers stay in L2.
 DEFAULT_BATCH = 128
+# The tag the LM head's ops carry in a recorded plan (the profiler's "(LM head)" rows).
+HEAD_TAG = "lm_head"
 
 
 class TransformerModel:
@@ -207,7 +210,8 @@ class TransformerModel:
         """Final norm and LM head for the chunk's last token, into self.logits."""
         c = self.config
         be.rmsnorm(self.x[m - 1:m], self.output_norm, c.rms_eps, self.xn[:1])
-        lin(self.xn[:1], self.lm_head, self.logits)
+        with be.tagged(HEAD_TAG) if hasattr(be, "tagged") else contextlib.nullcontext():
+            lin(self.xn[:1], self.lm_head, self.logits)
 
 
 class _Profiling:

@@ -230,8 +230,8 @@ def _split_merge(merge):
 
 
 def _vocab_dict(tokens):
-    # Like llama.cpp, a repeated token text maps to its last id.
-    return {text: token_id for token_id, text in enumerate(tokens)}
+    # Like llama.cpp, a repeated token text maps to its last id (as dict() keeps the last).
+    return dict(zip(tokens, range(len(tokens))))
 
 
 def _bpe_model(tokens, merges, **options):

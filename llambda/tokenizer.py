@@ -28,6 +28,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import models, pre_tokenizers
 
+from llambda import bpe_cache
 from llambda.errors import UserError
 
 
@@ -239,16 +240,23 @@ def _bpe_model(tokens, merges, **options):
 
     HF refuses a rule whose sides or result are not tokens, which llama.cpp
     keeps (it can only ever make a piece that is spelled out byte by byte);
-    such rules are left out rather than the vocabulary refused.
+    such rules are left out rather than the vocabulary refused. A vocabulary
+    built before is read back from llambda.bpe_cache.
     """
+    cache_key = bpe_cache.key("merges", tokens, merges, options)
+    model = bpe_cache.load(cache_key, tokens, options)
+    if model is not None:
+        return model
     vocab = _vocab_dict(tokens)
     pairs = [_split_merge(m) for m in merges]
     try:
-        return models.BPE(vocab=vocab, merges=pairs, **options)
+        model = models.BPE(vocab=vocab, merges=pairs, **options)
     except Exception:     # tokenizers raises a bare Exception naming the token
-        usable = [(left, right) for left, right in pairs
-                  if left in vocab and right in vocab and left + right in vocab]
-        return models.BPE(vocab=vocab, merges=usable, **options)
+        pairs = [(left, right) for left, right in pairs
+                 if left in vocab and right in vocab and left + right in vocab]
+        model = models.BPE(vocab=vocab, merges=pairs, **options)
+    bpe_cache.store(cache_key, model, pairs)
+    return model
 
 
 def _byte_level_bpe_engine(tokens, merges, pre):
@@ -341,9 +349,14 @@ def _store_cached_pairs(key, pairs):
 
 
 def _sentencepiece_engine(tokens, scores, unknown_id):
-    unknown = tokens[unknown_id] if unknown_id is not None else None
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=_sentencepiece_merges(tokens, scores),
-                       unk_token=unknown, byte_fallback=True, fuse_unk=False)
+    options = dict(unk_token=tokens[unknown_id] if unknown_id is not None else None,
+                   byte_fallback=True, fuse_unk=False)
+    cache_key = bpe_cache.key("sentencepiece", tokens, scores.astype(np.float32).tobytes(), options)
+    model = bpe_cache.load(cache_key, tokens, options)
+    if model is None:
+        merges = _sentencepiece_merges(tokens, scores)
+        model = models.BPE(vocab=_vocab_dict(tokens), merges=merges, **options)
+        bpe_cache.store(cache_key, model, merges)
     # No pre-tokenizer: SentencePiece merges across the whole fragment.
     return _HfTokenizer(model)
 

@@ -250,6 +250,8 @@ class Plan:
 
 def _encode_int(value, name):
     """An integer argument as ``(u64 word, array to keep alive or None)``."""
+    if type(value) is int and 0 <= value < 2**64:     # most arguments: addresses and sizes
+        return value, None
     if isinstance(value, np.ndarray):
         if value.size == 0:
             raise ValueError(f"{name}: empty array has no data to point at")

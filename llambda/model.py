@@ -20,6 +20,7 @@ from memory when the plan runs. With the numpy backend the same code calls the
 reference ops directly.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -49,6 +50,10 @@ def bucket(n, limit):
         if b >= n:
             return min(b, limit)
     return n
+
+
+# The tag the LM head's ops carry in a recorded plan (the profiler's "(LM head)" rows).
+HEAD_TAG = "lm_head"
 
 
 class TransformerModel:
@@ -292,7 +297,8 @@ class TransformerModel:
         xh = self.xh[:h]
         be.gather_rows(self.x, self.head_rows[:h], xh)
         be.rmsnorm(xh, self.output_norm, c.rms_eps, xh)
-        lin(xh, self.lm_head, self.logits[:h])
+        with be.tagged(HEAD_TAG) if hasattr(be, "tagged") else contextlib.nullcontext():
+            lin(xh, self.lm_head, self.logits[:h])
 
 
 class _Profiling:

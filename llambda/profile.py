@@ -9,6 +9,9 @@ plan on the worker pool), with one difference: the pool runs the executor's
 timed twin, which stamps every op on every thread with the time-stamp
 counter (runtime/pool.py, codegen/executor.py). From the stamps:
 
+- each row is one kind of op and the kernel it calls (the library symbol, ISA and
+  tile in its name: ``tools/regen.py --disasm SYMBOL`` shows its code); the LM
+  head's ops are their own rows, told apart by the tag the model records them with.
 - an op's time is what it added to thread 0's run of the plan: from the
   previous op's release to its own, barrier wait included. These times add up
   to the native time of the plan exactly, so "% of token" is a true share.
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llambda.model import HEAD_TAG
 from llambda.runtime.pool import read_tsc
 
 WARMUP_STEPS = 2            # untimed decode steps first: plans built, pages touched
@@ -124,21 +128,18 @@ def _touched(shape):
     return out
 
 
-def _op_names(ops, with_head):
-    """The ops' names, the LM head's told apart: in a plan with the head, they follow the final RMSNorm."""
-    names = [op.name for op in ops]
-    if with_head:
-        norms = [i for i, name in enumerate(names) if name == "rmsnorm"]
-        start = norms[-1] + 1 if norms else len(names)
-        names[start:] = [name + HEAD_SUFFIX for name in names[start:]]
-    return names
+def op_row(op):
+    """``(name, kernel)`` of the profile row an op (a runtime.recorder.OpInfo) counts in:
+    its name, " (LM head)" added for the ops the model tagged as the head, and its symbol."""
+    return op.name + (HEAD_SUFFIX if op.tag == HEAD_TAG else ""), op.symbol
 
 
 # -- the report -----------------------------------------------------------------
 @dataclass
 class OpStats:
-    """One op kind, per step (a decoded token, or a prefill chunk)."""
+    """One op kind and the kernel it calls, per step (a decoded token, or a prefill chunk)."""
     name: str
+    kernel: str             # the library symbol ("" for rows that are no kernel, such as the wake-up)
     calls: float
     ms: float               # thread 0's critical path, barrier waits included
     pct: float              # of the step's wall time
@@ -199,12 +200,13 @@ class ProfileReport:
         return "\n".join(lines)
 
 
-COLUMNS = (("op", 24), ("calls", 6), ("ms/{unit}", 9), ("% {unit}", 7), ("wait %", 6), ("GFLOP/s", 8), ("GB/s", 6))
+TEXT_COLUMNS = 2            # op and kernel: left-aligned, the numbers right-aligned
+COLUMNS = (("op", 24), ("kernel", 31), ("calls", 6), ("ms/{unit}", 9), ("% {unit}", 7), ("wait %", 6), ("GFLOP/s", 8), ("GB/s", 6))
 
 
 def _row(cells):
-    """One Markdown table row: the first column left-aligned, the others right-aligned."""
-    padded = [cell.ljust(width) if i == 0 else cell.rjust(width)
+    """One Markdown table row: the text columns left-aligned, the others right-aligned."""
+    padded = [cell.ljust(width) if i < TEXT_COLUMNS else cell.rjust(width)
               for i, (cell, (_, width)) in enumerate(zip(cells, COLUMNS))]
     return "| " + " | ".join(padded) + " |"
 
@@ -216,14 +218,14 @@ def _phase_table(phase):
             f"prefill: {phase.steps} chunk{'s' * (phase.steps > 1)} of {phase.tokens_per_step} tokens")
     lines = [f"{what}: {phase.wall_ms:.3f} ms/{unit} ({phase.tokens_per_s:.1f} tok/s)", "",
              _row([title.format(unit=unit) for title, _ in COLUMNS]),
-             "|" + "|".join("-" * (width + 2) if i == 0 else "-" * (width + 1) + ":"
+             "|" + "|".join("-" * (width + 2) if i < TEXT_COLUMNS else "-" * (width + 1) + ":"
                             for i, (_, width) in enumerate(COLUMNS)) + "|"]
     for op in phase.ops:
-        lines.append(_row([op.name, f"{op.calls:.0f}", f"{op.ms:.3f}", f"{op.pct:.1f}%", f"{op.wait_pct:.1f}%",
-                           _rate(op.gflops), _rate(op.gbs)]))
+        lines.append(_row([op.name, op.kernel or "-", f"{op.calls:.0f}", f"{op.ms:.3f}", f"{op.pct:.1f}%",
+                           f"{op.wait_pct:.1f}%", _rate(op.gflops), _rate(op.gbs)]))
     for name, ms in (("native (sum of ops)", phase.native_ms), ("pool dispatch", phase.dispatch_ms),
                      ("python", phase.python_ms), (f"{unit} (wall)", phase.wall_ms)):
-        lines.append(_row([f"**{name}**", "", f"{ms:.3f}", f"{phase.share(ms):.1f}%", "", "", ""]))
+        lines.append(_row([f"**{name}**", "", "", f"{ms:.3f}", f"{phase.share(ms):.1f}%", "", "", ""]))
     busy = ", ".join(f"{ms:.3f} ms ({100 * ms / phase.native_ms:.0f}%)" if phase.native_ms > 0 else "-"
                      for ms in phase.thread_busy_ms)
     lines.append(f"\nin kernels per {unit}, by thread: {busy} of the native time")
@@ -242,7 +244,7 @@ def summarize(kind, runs, wall_s, tsc_hz, config):
     steps = len(runs)
     ms_per_tick = 1e3 / tsc_hz / steps          # per step
     n_threads = runs[0].stamps.shape[0]
-    by_name = {}                                # name -> [calls, ticks, wait ticks, flops, bytes]
+    by_row = {}                                 # (name, kernel) -> [calls, ticks, wait ticks, flops, bytes]
     busy, late = np.zeros(n_threads), np.zeros(n_threads)
     native = 0
     for run in runs:
@@ -250,18 +252,18 @@ def summarize(kind, runs, wall_s, tsc_hz, config):
         native += t.native
         busy += t.busy
         late += t.late
-        for op, name, ticks, wait in zip(run.ops, _op_names(run.ops, run.with_head), t.ops, t.waits):
+        for op, ticks, wait in zip(run.ops, t.ops, t.waits):
             flops, nbytes = _work(op, run, config)
-            _accumulate(by_name, name, ticks, wait, flops, nbytes)
+            _accumulate(by_row, op_row(op), ticks, wait, flops, nbytes)
         if t.wake:
-            _accumulate(by_name, WAKE_UP, t.wake, t.wake, 0.0, 0.0)
+            _accumulate(by_row, (WAKE_UP, ""), t.wake, t.wake, 0.0, 0.0)
     wall_ms = 1e3 * wall_s / steps
     pool_ms = 1e3 * sum(r.pool_s for r in runs) / steps
     native_ms = native * ms_per_tick
-    ops = [OpStats(name=name, calls=calls / steps, ms=ticks * ms_per_tick,
+    ops = [OpStats(name=name, kernel=kernel, calls=calls / steps, ms=ticks * ms_per_tick,
                    pct=100.0 * ticks * ms_per_tick / wall_ms, wait_pct=100.0 * wait / ticks if ticks else 0.0,
                    gflops=_per_second(flops, ticks, tsc_hz) / 1e9, gbs=_per_second(nbytes, ticks, tsc_hz) / 1e9)
-           for name, (calls, ticks, wait, flops, nbytes) in by_name.items()]
+           for (name, kernel), (calls, ticks, wait, flops, nbytes) in by_row.items()]
     ops.sort(key=lambda op: -op.ms)
     m = runs[0].m
     return PhaseProfile(kind=kind, steps=steps, tokens_per_step=m,
@@ -304,8 +306,8 @@ def _first_barrier(plan):
     return int(flags[0]) if len(flags) else plan.n_ops - 1
 
 
-def _accumulate(by_name, name, ticks, wait, flops, nbytes):
-    total = by_name.setdefault(name, [0, 0, 0, 0.0, 0.0])
+def _accumulate(by_row, row, ticks, wait, flops, nbytes):
+    total = by_row.setdefault(row, [0, 0, 0, 0.0, 0.0])
     for i, x in enumerate((1, ticks, wait, flops, nbytes)):
         total[i] += x
 

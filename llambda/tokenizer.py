@@ -19,10 +19,8 @@ suite among them). The merge loops themselves run in HF `tokenizers` (Rust);
 this module decides what each call gets to see.
 """
 import codecs
-import hashlib
 import os
 import re
-import tempfile
 from enum import IntEnum
 
 import numpy as np
@@ -30,6 +28,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import models, pre_tokenizers
 
+from llambda import bpe_cache
 from llambda.errors import UserError
 
 
@@ -232,8 +231,8 @@ def _split_merge(merge):
 
 
 def _vocab_dict(tokens):
-    # Like llama.cpp, a repeated token text maps to its last id.
-    return {text: token_id for token_id, text in enumerate(tokens)}
+    # Like llama.cpp, a repeated token text maps to its last id (as dict() keeps the last).
+    return dict(zip(tokens, range(len(tokens))))
 
 
 def _bpe_model(tokens, merges, **options):
@@ -241,16 +240,23 @@ def _bpe_model(tokens, merges, **options):
 
     HF refuses a rule whose sides or result are not tokens, which llama.cpp
     keeps (it can only ever make a piece that is spelled out byte by byte);
-    such rules are left out rather than the vocabulary refused.
+    such rules are left out rather than the vocabulary refused. A vocabulary
+    built before is read back from llambda.bpe_cache.
     """
+    cache_key = bpe_cache.key("merges", tokens, merges, options)
+    model = bpe_cache.load(cache_key, tokens, options)
+    if model is not None:
+        return model
     vocab = _vocab_dict(tokens)
     pairs = [_split_merge(m) for m in merges]
     try:
-        return models.BPE(vocab=vocab, merges=pairs, **options)
+        model = models.BPE(vocab=vocab, merges=pairs, **options)
     except Exception:     # tokenizers raises a bare Exception naming the token
-        usable = [(left, right) for left, right in pairs
-                  if left in vocab and right in vocab and left + right in vocab]
-        return models.BPE(vocab=vocab, merges=usable, **options)
+        pairs = [(left, right) for left, right in pairs
+                 if left in vocab and right in vocab and left + right in vocab]
+        model = models.BPE(vocab=vocab, merges=pairs, **options)
+    bpe_cache.store(cache_key, model, pairs)
+    return model
 
 
 def _byte_level_bpe_engine(tokens, merges, pre):
@@ -306,6 +312,7 @@ _MERGE_CACHE_VERSION = 1
 
 
 def _vocabulary_digest(tokens, scores):
+    import hashlib           # (here: only SentencePiece vocabularies need it)
     digest = hashlib.sha256(f"sentencepiece merges v{_MERGE_CACHE_VERSION}\0".encode())
     digest.update("\0".join(tokens).encode("utf-8", "surrogateescape"))
     digest.update(scores.tobytes())
@@ -330,6 +337,7 @@ def _load_cached_pairs(key, n_tokens):
 
 def _store_cached_pairs(key, pairs):
     """Best effort: an unwritable cache only costs the next load the derivation again."""
+    import tempfile
     path = _merge_cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -341,9 +349,14 @@ def _store_cached_pairs(key, pairs):
 
 
 def _sentencepiece_engine(tokens, scores, unknown_id):
-    unknown = tokens[unknown_id] if unknown_id is not None else None
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=_sentencepiece_merges(tokens, scores),
-                       unk_token=unknown, byte_fallback=True, fuse_unk=False)
+    options = dict(unk_token=tokens[unknown_id] if unknown_id is not None else None,
+                   byte_fallback=True, fuse_unk=False)
+    cache_key = bpe_cache.key("sentencepiece", tokens, scores.astype(np.float32).tobytes(), options)
+    model = bpe_cache.load(cache_key, tokens, options)
+    if model is None:
+        merges = _sentencepiece_merges(tokens, scores)
+        model = models.BPE(vocab=_vocab_dict(tokens), merges=merges, **options)
+        bpe_cache.store(cache_key, model, merges)
     # No pre-tokenizer: SentencePiece merges across the whole fragment.
     return _HfTokenizer(model)
 

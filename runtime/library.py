@@ -27,11 +27,73 @@ class KernelLibraryError(RuntimeError):
 
 
 def library_dir():
-    from llambda.codegen.build import source_key
     override = os.environ.get("LLAMBDA_KERNEL_DIR")
     if override:
         return Path(override)
-    return cache_dir() / "kernels" / source_key()
+    return cache_dir() / "kernels" / current_source_key()
+
+
+# How many (file stamps -> key) pairs the memo keeps: one per checkout that shares the cache.
+_MEMO_ENTRIES = 32
+
+
+def current_source_key():
+    """``codegen.build.source_key()`` of the generators as they are on disk, remembered
+    by the files' stamps (path, size, mtime, inode) in ``<cache>/kernels/source-keys.json``.
+
+    Hashing every generator and asking importlib.metadata for PeachPy's version is a
+    noticeable part of start-up; a stat of each file is not. A generator that changes
+    gets a new stamp, so its key is computed again (as ``make`` decides from mtimes)."""
+    stamp = _generator_stamp()
+    memo_path = cache_dir() / "kernels" / "source-keys.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    key = memo.get(stamp)
+    if isinstance(key, str):
+        return key
+    from llambda.codegen.build import source_key
+    key = source_key()
+    memo.pop(stamp, None)
+    memo[stamp] = key                                   # newest last: the oldest are dropped first
+    _write_memo(memo_path, dict(list(memo.items())[-_MEMO_ENTRIES:]))
+    return key
+
+
+def _generator_stamp():
+    """What ``source_key`` reads, as one line per file: the generators' stamps, the
+    LLAMBDA_FAMILIES restriction, and the stamp of PeachPy's package (its version).
+    Kept as text, not hashed: hashlib would load OpenSSL for this alone."""
+    import importlib.util
+    from llambda import codegen
+    here = Path(codegen.__file__).resolve().parent
+    lines = [f"families={os.environ.get('LLAMBDA_FAMILIES', '')}"]
+    paths = sorted(here.glob("*.py"))
+    spec = importlib.util.find_spec("peachpy")
+    if spec is not None and spec.origin:
+        paths.append(Path(spec.origin))
+    for path in paths:
+        st = path.stat()
+        lines.append(f"{path} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
+    return "\n".join(lines)
+
+
+def _write_memo(path, memo):
+    """Best effort, atomically: a lost update or an unwritable cache only means hashing again."""
+    import tempfile
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
+            json.dump(memo, f)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def ensure_built(verbose=False):

@@ -32,6 +32,7 @@ passing numpy arrays rather than addresses keeps the buffers alive as long as
 the plan refers to them.
 """
 import ctypes
+import functools
 
 import numpy as np
 
@@ -75,12 +76,7 @@ def split_range(n, n_threads, multiple=1):
 def kernel_address(kernel):
     """``(address, int arg count, float arg count)`` of a kernel symbol or typed ctypes function."""
     if isinstance(kernel, str):
-        from .library import KernelLibraryError
-        from .native._lib import kernel as lookup
-        try:
-            kernel = lookup(kernel)
-        except KernelLibraryError as error:
-            raise ValueError(f"kernel: {error}") from None
+        return _symbol_address(kernel)
     if not isinstance(kernel, ctypes._CFuncPtr):
         raise ValueError(f"kernel: expected a kernel symbol or a ctypes function, got {type(kernel).__name__}")
     if kernel.argtypes is None:
@@ -90,6 +86,18 @@ def kernel_address(kernel):
         raise ValueError("kernel: double arguments are not supported (the executor passes float32 in xmm0/xmm1)")
     n_float = sum(t in _FLOAT_CTYPES for t in kernel.argtypes)
     return ctypes.cast(kernel, ctypes.c_void_p).value, len(kernel.argtypes) - n_float, n_float
+
+
+@functools.lru_cache(maxsize=None)
+def _symbol_address(symbol):
+    """kernel_address of a library symbol, looked up once (a plan adds the same few
+    kernels hundreds of times, and the library's functions never change)."""
+    from .library import KernelLibraryError
+    from .native._lib import kernel as lookup
+    try:
+        return kernel_address(lookup(symbol))
+    except KernelLibraryError as error:
+        raise ValueError(f"kernel: {error}") from None
 
 
 class Plan:
@@ -145,14 +153,19 @@ class Plan:
         thread_words = [None if args is None else [_encode_int(arg, name) for arg in args]
                         for args in self._thread_args(int_args, per_thread, n_int)]
         op = self._append_row()
-        self._records["barrier"][op] = 1 if barrier else 0
-        self._records["float_args"][op, :, :n_float] = float_args
+        record = self._records[op]             # one row per thread; a new op has no arguments kept alive
+        record["barrier"] = 1 if barrier else 0
+        if n_float:
+            record["float_args"][:, :n_float] = float_args
         for t, words in enumerate(thread_words):
             if words is None:
                 continue
-            self._records["fn"][op, t] = address
-            for i, word in enumerate(words):
-                self._write_int(op, t, i, word)
+            record["fn"][t] = address
+            if words:
+                record["int_args"][t, :len(words)] = [word for word, _ in words]
+            for i, (_, array) in enumerate(words):
+                if array is not None:
+                    self._kept_alive[(op, t, i)] = array
         self._arity.append((n_int, n_float))
         return op
 
@@ -237,6 +250,8 @@ class Plan:
 
 def _encode_int(value, name):
     """An integer argument as ``(u64 word, array to keep alive or None)``."""
+    if type(value) is int and 0 <= value < 2**64:     # most arguments: addresses and sizes
+        return value, None
     if isinstance(value, np.ndarray):
         if value.size == 0:
             raise ValueError(f"{name}: empty array has no data to point at")

@@ -23,6 +23,7 @@ it lives and ``set_pos0`` patches it in every record with one numpy write. The p
 ops (``kv_store_paged``, ``attention_paged``, ``gather_rows``) read every index from
 memory, so their records never need patching.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,8 @@ class OpInfo:
     flops: float = 0.0
     bytes: float = 0.0
     window: int = 0        # attention: its sliding window (0: unlimited), for costing it at another pos0
+    symbol: str = ""       # the kernel it calls (ISA and tile in the name); threads calling others: " + "-joined
+    tag: str = ""          # what the model recorded it as, when it said (see PlanRecorder.tagged)
 
 
 def _interval(a):
@@ -69,6 +72,17 @@ class PlanRecorder:
         self._n_ctx = n_ctx
         self._paged_scratch = [None] * n_threads   # per thread, grown on demand
         self._keep = []                            # scratches that recorded ops still point at
+        self._tag = ""
+
+    @contextmanager
+    def tagged(self, tag):
+        """Ops recorded inside ``with recorder.tagged("lm_head"):`` carry that tag in
+        their OpInfo, so the profiler tells them apart without guessing from the order."""
+        outer, self._tag = self._tag, tag
+        try:
+            yield self
+        finally:
+            self._tag = outer
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):
@@ -80,6 +94,9 @@ class PlanRecorder:
             self.plan.set_barrier(self.plan.n_ops - 1)
             self._pending_reads, self._pending_writes = [], []
         symbol, first_args = next(c for c in calls if c is not None)
+        symbols = dict.fromkeys(c[0] for c in calls if c is not None)
+        info.symbol = " + ".join(symbols)
+        info.tag = self._tag
         kinds = [ctype for _, ctype in self._manifest[symbol]["args"]]
         floats = [a for a, k in zip(first_args, kinds) if k == "float"]
         per_thread = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]

@@ -22,7 +22,6 @@ caller (see llambda/convert.py).
 import json
 import mmap
 import os
-import secrets
 import struct
 import zlib
 from collections.abc import Mapping
@@ -81,6 +80,7 @@ def write(path, metadata, arrays, progress=None):
     path = Path(path)
     arrays = {str(name): _plain_array(name, a) for name, a in arrays.items()}
     header, entries = _layout(metadata, arrays)
+    import secrets           # (here: it loads OpenSSL, which reading a file does not need)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     # os.open with 0o666 lets the umask decide the final permissions, as for any new file.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

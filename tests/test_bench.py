@@ -24,13 +24,15 @@ def test_bench_reports_every_figure(tiny):
     llambda_rows = [r for r in parsed["rows"] if r["engine"] == "llambda"]
     assert [r["threads"] for r in llambda_rows] == [1, 2]
     for row in llambda_rows:
-        for key in ("prefill128_tok_s", "prefill512_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mb"):
+        for key in ("prefill128_tok_s", "prefill512_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "startup_ms",
+                    "peak_rss_mb"):
             assert row[key]["min"] <= row[key]["median"] <= row[key]["max"]
             assert row[key]["median"] > 0
     assert parsed["ceilings"]["fma_gflops_per_core"] > 0
 
     table = bench._markdown(report, [r["engine"] for r in parsed["rows"] if r["threads"] == 1], (1, 2))
     assert "| decode 8 (tok/s) | 2 |" in table
+    assert "| start-up to first token of 'Hi' (ms) | 1 |" in table
 
 
 def test_bench_rejects_a_converted_file(tiny, tmp_path):

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import llambda
-from llambda.profile import WAKE_UP, _op_names
+from llambda.model import HEAD_TAG
+from llambda.profile import HEAD_SUFFIX, WAKE_UP, op_row
+from llambda.runtime import library
 from llambda.runtime import buffers
 from llambda.runtime.plan import Plan, split_range
 from llambda.runtime.pool import WorkerPool, read_tsc
@@ -110,14 +112,14 @@ def tiny_model(request, tiny_gguf):
     model.close()
 
 
-def plan_op_names(model, m):
+def plan_rows(model, m):
+    """(name, kernel) of every row the profile of a chunk of m tokens should have."""
     recorder = model.net._plan(m, True)
-    return set(_op_names(recorder.ops, True))
+    return {op_row(op) for op in recorder.ops}
 
 
-def check_phase(phase, plan_names, n_threads):
-    names = {op.name for op in phase.ops}
-    assert names - {WAKE_UP} == plan_names
+def check_phase(phase, rows, n_threads):
+    assert {(op.name, op.kernel) for op in phase.ops} - {(WAKE_UP, "")} == rows
     for op in phase.ops:
         assert op.ms >= 0 and op.calls > 0
         assert 0 <= op.wait_pct <= 100
@@ -142,23 +144,70 @@ def test_report_covers_every_op_and_all_of_the_token(tiny_model):
     assert report.tsc_hz > 0
     decode = report.decode
     assert decode.steps == 6 and decode.tokens_per_step == 1
-    check_phase(decode, plan_op_names(model, 1), report.threads)
+    check_phase(decode, plan_rows(model, 1), report.threads)
     calls = {op.name: op.calls for op in decode.ops}
+    assert len(calls) == len(decode.ops)                  # decode: one kernel per kind of op here
     assert calls["qgemm_q4_1"] == 7 * n_layer
     assert calls["attention"] == n_layer
     assert calls["qgemm_q4_1 (LM head)"] == 1             # tied embeddings: Q4_1 as well here
 
     prefill = report.prefill
     assert prefill.steps == 1 and prefill.tokens_per_step == 32
-    check_phase(prefill, plan_op_names(model, 32), report.threads)
+    check_phase(prefill, plan_rows(model, 32), report.threads)
 
     assert model.position == 0 and model._cached == []
     table = report.table()
-    for name in plan_op_names(model, 1) | {"python", "pool dispatch", "native"}:
+    for name in {name for row in plan_rows(model, 1) for name in row} | {"python", "pool dispatch", "native"}:
         assert name in table
     out = json.loads(json.dumps(report.as_dict()))
     assert out["decode"]["python_pct"] == pytest.approx(decode.python_pct)
     assert {op["name"] for op in out["decode"]["ops"]} == {op.name for op in decode.ops}
+    assert {op["kernel"] for op in out["decode"]["ops"]} == {op.kernel for op in decode.ops}
+
+
+def test_every_op_names_the_kernel_it_calls(tiny_model):
+    """A row leads to its generator: its kernel is a symbol of the library, ISA and tile
+    in the name, the one the op's records call."""
+    manifest = library.load().manifest
+    for m in (1, 32):
+        recorder = tiny_model.net._plan(m, True)
+        records = recorder.plan.records
+        for handle, op in enumerate(recorder.ops):
+            assert op.symbol in manifest, (op.name, op.symbol)
+            assert "__" in op.symbol                      # ..._<tile>__<isa>
+            called = {int(fn) for fn in records["fn"][handle] if fn}
+            assert called == {_address(op.symbol)}
+
+
+def _address(symbol):
+    import ctypes
+    from llambda.runtime.native._lib import kernel
+    return ctypes.cast(kernel(symbol), ctypes.c_void_p).value
+
+
+def test_the_head_is_the_ops_the_model_tagged(tiny_model):
+    """No guessing from the order of ops: the model tags the LM head's quantization and
+    product, and nothing else (the final norm before it is a norm like the others)."""
+    ops = tiny_model.net._plan(1, True).ops
+    tagged = [op for op in ops if op.tag == HEAD_TAG]
+    assert [op.name for op in tagged] == ["quantize_q8", "qgemm_q4_1"]
+    assert ops[-2:] == tagged and ops[-3].name == "rmsnorm" and not ops[-3].tag
+    assert [op_row(op)[0] for op in tagged] == ["quantize_q8" + HEAD_SUFFIX, "qgemm_q4_1" + HEAD_SUFFIX]
+    assert not any(op.tag for op in tiny_model.net._plan(4, False).ops)
+
+
+def test_tags_nest_and_end_with_their_block(tiny_model):
+    from llambda.runtime.recorder import PlanRecorder
+    rec = PlanRecorder(1, 16, tiny_model.backend)
+    x = buffers.zeros((1, 64))
+    with rec.tagged("outer"):
+        rec.scale(x, 2.0, x)
+        with rec.tagged("inner"):
+            rec.scale(x, 2.0, x)
+        rec.scale(x, 2.0, x)
+    rec.scale(x, 2.0, x)
+    assert [op.tag for op in rec.ops] == ["outer", "inner", "outer", ""]
+    assert {op.symbol for op in rec.ops} == {"llb_scale_f32__avx2"}
 
 
 def test_profiling_then_generating_gives_what_generating_alone_gives(tiny_model):

@@ -16,12 +16,10 @@ barrier before an op that reads what another may still be writing, or writes
 what another may still be reading. Q, K and V projections of the same input,
 for example, run back to back without one.
 
-Ops that read their indices from memory when they run (rope and kv_store read
-``positions``, embed reads the token ids) stay valid as the sequence grows;
-``attention``'s ``pos0`` is a plain argument, so the recorder remembers where
-it lives and ``set_pos0`` patches it in every record with one numpy write. The paged
-ops (``kv_store_paged``, ``attention_paged``, ``gather_rows``) read every index from
-memory, so their records never need patching.
+Every op that indexes reads its indices from memory when it runs (rope, the paged
+KV cache's ``kv_store_paged`` and ``attention_paged`` read positions, sequences and
+block tables; embed the token ids; ``gather_rows`` the head rows), so a plan serves
+any step of its shape and its records are never patched.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import library
-from .native import attention as n_attention
 from .native import embed as n_embed
 from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
@@ -66,9 +63,7 @@ class PlanRecorder:
         self.plan = Plan(n_threads)
         self.ops = []                      # OpInfo per op handle
         self._manifest = library.load().manifest
-        self._pos0_slots = ([], [])        # (op handles, int-arg index) of attention's pos0
         self._pending_reads, self._pending_writes = [], []
-        self._scratch = [backend.attention_scratch(n_ctx, 1) for _ in range(n_threads)]
         self._n_ctx = n_ctx
         self._paged_scratch = [None] * n_threads   # per thread, grown on demand
         self._keep = []                            # scratches that recorded ops still point at
@@ -121,11 +116,6 @@ class PlanRecorder:
             self.plan.set_barrier(self.plan.n_ops - 1)
         return self
 
-    def set_pos0(self, pos0):
-        handles, index = self._pos0_slots
-        if handles:
-            self.plan.records["int_args"][np.array(handles), :, np.array(index)] = pos0
-
     # -- the ops (same signatures as the backends) ------------------------------
     def embed(self, w, ids, out):
         m = ids.shape[0]
@@ -168,34 +158,6 @@ class PlanRecorder:
                             min_size=8)
         self._add(calls, [x, positions, cos, sin], [out], OpInfo("rope", 3.0 * x.size, 16.0 * x.size))
 
-    def kv_store(self, src, positions, cache):
-        n_kv = src.shape[1]
-        calls = self._split(n_kv, 1, lambda h: n_elementwise.kv_store_call(src, positions, cache, heads=h),
-                            min_size=64 if src.shape[0] < 8 else 0)
-        self._add(calls, [src, positions], [cache], OpInfo("kv_store", 0, 8.0 * src.size))
-
-    def attention(self, q, k_cache, v_cache, pos0, scale, out, scratch, heads=None, window=0):
-        """``scratch`` is ignored (each thread has its own); ``heads=(h0, h1)`` records only
-        those query heads, split across the threads; ``window`` as in the binding."""
-        m, n_head, hd = q.shape
-        h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
-        chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
-        calls = [None if c is None else
-                 n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, self._scratch[t],
-                                            heads=(h0 + c[0], h0 + c[1]), window=window)
-                 for t, c in enumerate(chunks)]
-        keys_per_query = np.arange(pos0 + 1, pos0 + m + 1)
-        if window:
-            keys_per_query = np.minimum(keys_per_query, window)
-        keys = min(pos0 + m, window + m - 1) if window else pos0 + m     # K and V rows read
-        info = OpInfo("attention", 4.0 * (h1 - h0) * hd * float(keys_per_query.sum()),
-                      8.0 * k_cache.shape[0] * keys * hd, window=window)
-        handle = self._add(calls, [q, k_cache, v_cache], [out], info)
-        symbol = next(c[0] for c in calls if c is not None)
-        int_names = [name for name, kind in self._manifest[symbol]["args"] if kind != "float"]
-        self._pos0_slots[0].append(handle)
-        self._pos0_slots[1].append(int_names.index("pos0"))
-
     # -- the paged KV cache: indices read from memory when the plan runs, nothing to patch --
     def kv_store_paged(self, src, positions, row_seq, tables, arena, heads=None):
         """Split by KV heads (each thread stores its heads of every row, rows in order)."""
@@ -205,7 +167,7 @@ class PlanRecorder:
             src, positions, row_seq, tables, arena, heads=(h0 + h[0], h0 + h[1])),
             min_size=64 if m < 8 else 0)
         self._add(calls, [src, positions, row_seq, tables], [arena],
-                  OpInfo("kv_store_paged", 0, 8.0 * m * (h1 - h0) * hd))
+                  OpInfo("kv_store", 0, 8.0 * m * (h1 - h0) * hd))
 
     def _paged_scratch_for(self, thread, max_keys):
         scratch = self._paged_scratch[thread]
@@ -219,7 +181,7 @@ class PlanRecorder:
     def attention_paged(self, q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                         heads=None, window=0):
         """``scratch`` is ignored (each thread has its own, sized for the tables and window);
-        split by query heads like ``attention``. The cost is estimated at full tables."""
+        split by query heads. The cost is estimated at full tables."""
         m, n_head, hd = q.shape
         h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
         chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
@@ -230,7 +192,7 @@ class PlanRecorder:
                                               window=window)
                  for t, c in enumerate(chunks)]
         keys = min(max_keys, self._n_ctx)
-        info = OpInfo("attention_paged", 4.0 * (h1 - h0) * hd * keys * m,
+        info = OpInfo("attention", 4.0 * (h1 - h0) * hd * keys * m,
                       8.0 * k_arena.shape[1] * keys * hd * m, window=window)
         self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [out], info)
 

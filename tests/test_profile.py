@@ -188,12 +188,13 @@ def _address(symbol):
 def test_the_head_is_the_ops_the_model_tagged(tiny_model):
     """No guessing from the order of ops: the model tags the LM head's quantization and
     product, and nothing else (the final norm before it is a norm like the others)."""
-    ops = tiny_model.net._plan(1, True).ops
+    ops = tiny_model.net._plan(1, 1).ops
     tagged = [op for op in ops if op.tag == HEAD_TAG]
     assert [op.name for op in tagged] == ["quantize_q8", "qgemm_q4_1"]
     assert ops[-2:] == tagged and ops[-3].name == "rmsnorm" and not ops[-3].tag
     assert [op_row(op)[0] for op in tagged] == ["quantize_q8" + HEAD_SUFFIX, "qgemm_q4_1" + HEAD_SUFFIX]
-    assert not any(op.tag for op in tiny_model.net._plan(4, False).ops)
+    chunk = tiny_model.net._plan(4, 2).ops                 # every step ends with the head of its head rows
+    assert [op.tag for op in chunk[-2:]] == [HEAD_TAG] * 2 and not any(op.tag for op in chunk[:-2])
 
 
 def test_tags_nest_and_end_with_their_block(tiny_model):

@@ -2,14 +2,15 @@
 
 The ops the gemma3 / qwen2 / qwen3 blocks add: scale (the embedding times sqrt(dim)),
 add_bias (Q/K/V biases, in place), rmsnorm per head (Q/K norms on q viewed as
-[m * n_head, head_dim]), gelu_mul (GeGLU) and attention with a sliding window, whose
-pos0 set_pos0 patches. Sizes are large enough that every op is split across the
+[m * n_head, head_dim]), gelu_mul (GeGLU) and paged attention with a sliding window.
+Sizes are large enough that every op is split across the
 threads (the test checks that it was), and odd enough that the splits are uneven.
 """
 import numpy as np
 import pytest
 
 from helpers import nan_buffer
+from llambda.codegen.contract import KV_BLOCK
 from llambda.runtime import buffers, get_backend
 from llambda.runtime.pool import WorkerPool
 from llambda.runtime.recorder import PlanRecorder
@@ -79,42 +80,23 @@ def test_per_head_rmsnorm_matches_direct_call(native, pool):
     np.testing.assert_array_equal(q, want)
 
 
-@pytest.mark.parametrize("window", [0, 1, 5, 16, N_CTX])
-@pytest.mark.parametrize("m", [1, 7])
-def test_windowed_attention_follows_set_pos0(native, pool, window, m):
-    """A plan recorded once at pos0 = 0 gives the direct call's bits at every pos0 set_pos0
-    patches in, windowed or not; the heads split across the threads, Gemma 3 270M's shape
-    (4 query heads on one KV head, head_dim 256)."""
-    rng = np.random.default_rng(2)
-    n_head, n_kv, head_dim = 4, 1, 256
-    k_cache, v_cache = random(rng, (n_kv, N_CTX, head_dim)), random(rng, (n_kv, N_CTX, head_dim))
-    q = random(rng, (m, n_head, head_dim))
-    scale = 256 ** -0.5
-    out = nan_buffer(q.shape)
-    recorder = record(2, lambda rec: rec.attention(q, k_cache, v_cache, 0, scale, out, None, window=window))
-    assert threads_used(recorder.plan, 0) == 2
-    assert recorder.ops[0].window == window               # the profiler costs the op by it
-    scratch = native.attention_scratch(N_CTX)
-    for pos0 in (0, 3, 15, 16, 17, N_CTX - m):
-        recorder.set_pos0(pos0)
-        out[...] = np.nan
-        recorder.plan.run(pool)
-        want = nan_buffer(q.shape)
-        native.attention(q, k_cache, v_cache, pos0, scale, want, scratch, window=window)
-        np.testing.assert_array_equal(out, want)
-
-
 def test_recorded_attention_heads_subset(native, pool):
     """heads=(h0, h1) records only those heads (split across the threads); the others stay untouched."""
     rng = np.random.default_rng(3)
-    k_cache, v_cache = random(rng, (2, N_CTX, 64)), random(rng, (2, N_CTX, 64))
+    n_blocks = -(-N_CTX // KV_BLOCK)
+    k_arena, v_arena = random(rng, (n_blocks, 2, KV_BLOCK, 64)), random(rng, (n_blocks, 2, KV_BLOCK, 64))
+    tables = buffers.aligned_copy(rng.permutation(n_blocks).astype(np.int32)[None, :])
+    positions = buffers.aligned_copy(np.array([10, 11, 12], np.int32))
+    row_seq = buffers.zeros(3, np.int32)
     q = random(rng, (3, 8, 64))
     out, want = nan_buffer(q.shape), nan_buffer(q.shape)
-    recorder = record(2, lambda rec: rec.attention(q, k_cache, v_cache, 10, 0.125, out, None,
-                                                   heads=(2, 7), window=4))
+    recorder = record(2, lambda rec: rec.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125,
+                                                         out, None, heads=(2, 7), window=4))
+    assert threads_used(recorder.plan, 0) == 2
+    assert recorder.ops[0].window == 4                    # the profiler costs the op by it
     recorder.plan.run(pool)
-    native.attention(q, k_cache, v_cache, 10, 0.125, want, native.attention_scratch(N_CTX), heads=(2, 7),
-                     window=4)
+    native.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125, want,
+                           native.paged_attention_scratch(N_CTX), heads=(2, 7), window=4)
     np.testing.assert_array_equal(out, want)
     assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 7:]).all()
 
@@ -129,10 +111,12 @@ def test_recorder_ops_validate_before_recording():
     with pytest.raises(ValueError, match="up: expected shape"):
         recorder.gelu_mul(x, buffers.zeros(16), out)
     q = buffers.zeros((1, 4, 8))
-    cache = buffers.zeros((1, N_CTX, 8))
+    arena = buffers.zeros((4, 1, KV_BLOCK, 8))
+    idx, tables = buffers.zeros(1, np.int32), buffers.zeros((1, 4), np.int32)
     with pytest.raises(ValueError, match="window: expected an integer >= 0"):
-        recorder.attention(q, cache, cache, 0, 1.0, buffers.zeros((1, 4, 8)), None, window=-2)
+        recorder.attention_paged(q, arena, arena, idx, idx, tables, 1.0, buffers.zeros((1, 4, 8)), None, window=-2)
     with pytest.raises(ValueError, match="heads: expected 0 <= h0 < h1 <= n_head=4"):
-        recorder.attention(q, cache, cache, 0, 1.0, buffers.zeros((1, 4, 8)), None, heads=(3, 5))
+        recorder.attention_paged(q, arena, arena, idx, idx, tables, 1.0, buffers.zeros((1, 4, 8)), None,
+                                 heads=(3, 5))
     assert recorder.plan.n_ops == 0
 

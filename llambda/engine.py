@@ -8,9 +8,10 @@
 
 Callers enqueue sequences; only the engine thread touches the model's buffers, plans and
 KV pool (DESIGN.md, "Many sequences"). Each step is one plan run over (a) the next token of
-every sequence that is generating and (b) a chunk of the prompt of at most one sequence
-that is prefilling, as many rows as the step's budget leaves: a long prompt arriving
-delays the running streams by one chunk per step, never by its whole prefill. The engine
+every sequence that is generating and (b) prompt chunks of the sequences prefilling, in
+arrival order, as many rows as the step's budget leaves: a long prompt arriving delays the
+running streams by one chunk per step, never by its whole prefill, and short prompts that
+arrive together are prefilled together. The engine
 thread is worker 0 of the pool, so it is the thread that gets pinned, never a caller.
 
 Sampling, stop strings and detokenizing run here too, right after the step, so a sequence
@@ -284,14 +285,15 @@ class Engine:
     def _step(self):
         """One plan run: every generating sequence's next token, then a chunk of one prompt."""
         net = self.net
-        decoding = [c for c in self._running if c.computed == len(c.tokens) - 1]
-        prefilling = next((c for c in self._running if c.computed < len(c.tokens) - 1), None)
-        rows = [(c, c.computed, 1) for c in decoding]
-        if prefilling is not None:
-            budget = net.max_batch - len(decoding)
-            if budget > 0:
-                c = prefilling
-                rows.append((c, c.computed, min(budget, len(c.tokens) - c.computed)))
+        rows = [(c, c.computed, 1) for c in self._running if c.computed == len(c.tokens) - 1]
+        budget = net.max_batch - len(rows)
+        for c in self._running:                 # prompts in arrival order, as much as fits
+            if budget <= 0:
+                break
+            if c.computed < len(c.tokens) - 1:
+                n = min(budget, len(c.tokens) - c.computed)
+                rows.append((c, c.computed, n))
+                budget -= n
         r = 0
         head = []                          # (sequence, head row) of rows whose logits are sampled
         for c, start, n in rows:

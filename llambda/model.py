@@ -204,16 +204,11 @@ class TransformerModel:
         return self._plans[key]
 
     def step_shapes(self):
-        """Every (rows, head rows) plan shape a step of the engine can have: up to max_seqs
-        decode rows and a prompt chunk filling the rest of max_batch, padded to buckets."""
-        shapes = set()
-        for d in range(self.max_seqs + 1):
-            # a chunk belongs to one more sequence than the d decoding
-            for c in range(self.max_batch - d + 1) if d < self.max_seqs else (0,):
-                if d + c:
-                    for h in {max(d, 1), d + (c > 0)}:
-                        shapes.add((bucket(d + c, self.max_batch), bucket(min(h, self.max_heads), self.max_heads)))
-        return sorted(shapes)
+        """Every (rows, head rows) plan shape a step of the engine can have, padded to buckets:
+        m rows in all, at most max_batch, and a head row for each of up to max_seqs sequences
+        (at most one per row)."""
+        return sorted({(bucket(m, self.max_batch), bucket(h, self.max_heads))
+                       for m in range(1, self.max_batch + 1) for h in range(1, min(m, self.max_seqs) + 1)})
 
     def warm_plans(self, shapes=None):
         """Record the plans of ``shapes`` (default: every step shape) now, so that no request

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import llambda
+from llambda.codegen.contract import KV_BLOCK
 from llambda.generation import Stats, StopStrings
 from llambda.synth import write_random_llama
 
@@ -55,10 +56,11 @@ def test_generation_stops_at_a_stop_string(tiny):
 
 
 def test_zero_max_tokens_and_cache_reuse(tiny):
-    assert "".join(tiny.generate("hello there", max_tokens=0)) == ""
+    long = "hello there, " * 8                   # more than one KV block of tokens
+    assert "".join(tiny.generate(long, max_tokens=0)) == ""
     stats = Stats()
-    "".join(tiny.generate("hello there friend", max_tokens=2, temperature=0, stats=stats))
-    assert stats.cached_tokens > 0            # the shared prefix was not recomputed
+    "".join(tiny.generate(long + "friend", max_tokens=2, temperature=0, stats=stats))
+    assert stats.cached_tokens >= KV_BLOCK     # the shared prefix's whole blocks were not recomputed
 
 
 def test_context_full_stops_generation(tiny_path):
@@ -66,7 +68,8 @@ def test_context_full_stops_generation(tiny_path):
         stats = Stats()
         "".join(model.generate("hi", max_tokens=100, temperature=1.0, seed=1, stats=stats, ignore_eos=True))
         assert stats.stop_reason == "context_full"
-        assert model.position == 16
+        # every position computed; the last token comes from position 15's logits
+        assert stats.prompt_tokens + stats.generated_tokens == 17
 
 
 def test_chat_api_renders_the_template(tiny):

@@ -1,4 +1,4 @@
-"""The ``llambda`` command: run, chat, convert, info, verify, fetch.
+"""The ``llambda`` command: run, chat, serve, convert, info, verify, fetch, bench.
 
 stdout carries only generated text (or JSON with --json); statistics and
 errors go to stderr. A user error is one line and a non-zero exit, never a
@@ -131,6 +131,13 @@ def cmd_chat(args):
             _print_stats(model, stats)
 
 
+def cmd_serve(args):
+    from .server import serve
+    return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
+                 threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
+                 log_level=args.log_level)
+
+
 def cmd_convert(args):
     from . import convert
     out = convert.convert(args.gguf, args.output, progress=not args.quiet)
@@ -204,6 +211,20 @@ def build_parser():
     chat.add_argument("--verbose", action="store_true", help="print statistics after every reply")
     _add_sampling_options(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, metavar="N", help="port (default 8080; 0 picks a free one)")
+    serve.add_argument("--parallel", type=_positive_int("--parallel"), default=4, metavar="N",
+                       help="sequences generated at once, each with a full context of KV cache (default 4)")
+    serve.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=64, metavar="N",
+                       help="requests that may wait for a slot; beyond, 429 with Retry-After (default 64)")
+    serve.add_argument("--shutdown-grace", type=float, default=3.0, metavar="S",
+                       help="on SIGTERM/SIGINT, let running requests finish for S seconds, then cancel them")
+    serve.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                       help="uvicorn's log level (default warning)")
+    serve.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")
     conv.add_argument("gguf", metavar="MODEL.gguf")

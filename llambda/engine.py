@@ -318,6 +318,9 @@ class Engine:
             self._sample(c, logits[i])
 
     def _sample(self, c, logits):
+        if c.max_tokens == 0:                  # the prompt is evaluated (and cached), nothing generated
+            self._end(c, "length", "max_tokens")
+            return
         logits[self.n_vocab:] = -np.inf
         history = c.tokens
         token = c.sampler.sample(logits, history)

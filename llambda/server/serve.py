@@ -12,17 +12,17 @@ from pathlib import Path
 
 
 def model_names(model, model_arg):
-    """The id /v1/models shows and the other names a request may use for the model: the
-    ``--model`` argument as given, the file's name with and without its extension, the
-    catalogue name of the default model."""
+    """The id /v1/models shows (the GGUF's file name without .gguf) and the other names a
+    request may use for the model: the file name, the ``--model`` argument as given, the
+    catalogue name."""
     from .. import catalog, default_model
     if model_arg is None:
-        names = [Path(default_model.FILE_NAME).stem, default_model.FILE_NAME, catalog.DEFAULT]
-    elif Path(model_arg).exists():
-        names = [Path(model_arg).stem, Path(model_arg).name, str(model_arg)]
-    else:                                   # a catalogue name
-        names = [str(model_arg)]
-    names.append(Path(model.path).stem)     # the converted file
+        file_name, extra = default_model.FILE_NAME, [catalog.DEFAULT]
+    elif not Path(model_arg).exists() and model_arg in catalog.models():
+        file_name, extra = catalog.lookup(model_arg).file_name, [model_arg]
+    else:
+        file_name, extra = Path(model_arg).name, [str(model_arg)]
+    names = [Path(file_name).stem, file_name, *extra, Path(model.path).stem]    # the last: the converted file
     return names[0], set(names[1:]) - {names[0]}
 
 

@@ -19,6 +19,7 @@ from llambda.synth import write_random_llama
 from server_process import ServerProcess
 
 N_CTX = 256
+LONG_CTX = 4096          # the long server's: a stream of that many tokens outlasts the test's checks
 CLIENT_TIMEOUT_S = 120
 
 
@@ -26,13 +27,21 @@ CLIENT_TIMEOUT_S = 120
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "tiny.gguf"
     write_random_llama(path, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=300,
-                       tensor_type="Q8_0", n_ctx=512, seed=11)
+                       tensor_type="Q8_0", n_ctx=LONG_CTX, seed=11)
     return path
 
 
 @pytest.fixture(scope="module")
 def server(model_path):
     s = ServerProcess(model_path, "--ctx", str(N_CTX), "--parallel", "4", "--threads", "1")
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def long_server(model_path):
+    """One slot, one waiting place, long contexts: for streams that must still run when looked at."""
+    s = ServerProcess(model_path, "--ctx", str(LONG_CTX), "--parallel", "1", "--max-waiting", "1", "--threads", "1")
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -170,10 +179,11 @@ def test_metrics_names(server):
     assert m["llambda_generated_tokens_total"] > 0
 
 
-def test_disconnect_cancels_and_frees_kv_blocks(server, client):
+def test_disconnect_cancels_and_frees_kv_blocks(long_server):
+    server, client = long_server, client_for(long_server)
     idle = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0)
     assert idle["llambda_requests_running"] == 0
-    stream = client.completions.create(model=server.model_id, prompt="go on and on", max_tokens=200,
+    stream = client.completions.create(model=server.model_id, prompt="go on and on", max_tokens=LONG_CTX,
                                        temperature=1.0, seed=5, stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
@@ -182,8 +192,20 @@ def test_disconnect_cancels_and_frees_kv_blocks(server, client):
     stream.close()                                       # the client goes away mid-stream
     m = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0 and m["llambda_kv_blocks_in_use"] == 0)
     assert m["llambda_requests_running"] == 0 and m["llambda_kv_blocks_in_use"] == 0
-    assert m["llambda_generated_tokens_total"] - busy["llambda_generated_tokens_total"] < 190
+    assert m["llambda_generated_tokens_total"] - idle["llambda_generated_tokens_total"] < LONG_CTX - 100
     assert m["llambda_client_disconnects_total"] >= 1
+
+
+def test_disconnect_cancels_a_plain_request_too(long_server):
+    server = long_server
+    idle = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0)
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):           # the client gives up and closes the connection
+        impatient.completions.create(model=server.model_id, prompt="take your time", max_tokens=LONG_CTX,
+                                     temperature=1.0, seed=6, extra_body={"ignore_eos": True})
+    m = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0 and m["llambda_kv_blocks_in_use"] == 0)
+    assert m["llambda_requests_running"] == 0 and m["llambda_kv_blocks_in_use"] == 0
+    assert m["llambda_generated_tokens_total"] - idle["llambda_generated_tokens_total"] < LONG_CTX - 100
 
 
 # -- bad requests: 4xx with OpenAI's error body, and the server goes on -----------------------
@@ -256,28 +278,27 @@ def test_unknown_route_and_method(server):
 
 
 # -- load and shutdown: servers of their own ----------------------------------------------
-def test_full_waiting_queue_gets_429_with_retry_after(model_path):
-    s = ServerProcess(model_path, "--ctx", str(N_CTX), "--parallel", "1", "--max-waiting", "1", "--threads", "1")
+def test_full_waiting_queue_gets_429_with_retry_after(long_server):
+    s, client = long_server, client_for(long_server)
+    s.wait_metrics(lambda m: m["llambda_requests_running"] + m["llambda_requests_waiting"] == 0)
+    long = dict(model=s.model_id, prompt="a long one", max_tokens=LONG_CTX, temperature=1.0, seed=1,
+                stream=True, extra_body={"ignore_eos": True})
+    running = client.completions.create(**long)
+    next(iter(running))                                       # admitted: it holds the only slot
+    waiting = client.completions.create(**long)               # queued
     try:
-        client = client_for(s)
-        long = dict(model=s.model_id, prompt="a long one", max_tokens=N_CTX, temperature=1.0, seed=1,
-                    stream=True, extra_body={"ignore_eos": True})
-        running = client.completions.create(**long)
-        next(iter(running))                                       # admitted: it holds the only slot
-        waiting = client.completions.create(**long)               # queued
         m = s.wait_metrics(lambda m: m["llambda_requests_waiting"] == 1)
         assert m["llambda_requests_running"] == 1 and m["llambda_requests_waiting"] == 1
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model=s.model_id, prompt="one more", max_tokens=1)
         assert int(e.value.response.headers["retry-after"]) >= 1
         assert e.value.code == "server_busy"
+    finally:
         running.close()
         waiting.close()
-        m = s.wait_metrics(lambda m: m["llambda_requests_running"] + m["llambda_requests_waiting"] == 0)
-        assert m["llambda_requests_running"] + m["llambda_requests_waiting"] == 0
-        assert client.completions.create(model=s.model_id, prompt="now", max_tokens=1).choices
-    finally:
-        assert s.stop() == 0, "".join(s.log)
+    m = s.wait_metrics(lambda m: m["llambda_requests_running"] + m["llambda_requests_waiting"] == 0)
+    assert m["llambda_requests_running"] + m["llambda_requests_waiting"] == 0
+    assert client.completions.create(model=s.model_id, prompt="now", max_tokens=1).choices
 
 
 # grace 0: the running stream is cancelled at once (it ends with an error event, unless it was

@@ -158,9 +158,16 @@ def failure(c):
                     code="shutting_down")
 
 
+MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
+
+
 async def parse(request, schema):
-    body = await request.body()
-    return schema.model_validate_json(body or b"null")     # ValidationError -> 400 (errors.install)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    return schema.model_validate_json(bytes(body) or b"null")     # ValidationError -> 400 (errors.install)
 
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

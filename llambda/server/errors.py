@@ -4,6 +4,8 @@ Every failure a client can cause ends here as a 4xx with that body, never a trac
 server goes on serving: ApiError from the routes, pydantic's ValidationError from a body that
 does not parse, Starlette's HTTPException for unknown paths and methods.
 """
+import logging
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -67,4 +69,5 @@ def install(app, on_error=None):
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception):
+        logging.getLogger("llambda.server").error("%s %s failed", request.method, request.url.path, exc_info=e)
         return respond(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))

@@ -77,6 +77,8 @@ class Served:
 
     def finished(self, run):
         c = run.completion
+        if c not in self.active:            # said already
+            return
         if not c.done:                      # the client left, or the response failed
             c.cancel()
             self.metrics.disconnects.inc()
@@ -173,6 +175,21 @@ async def parse(request, schema):
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class EventStream(StreamingResponse):
+    """An SSE response that ends its sequence however the response ends: a body generator that
+    never started (the client left before the first byte) has no ``finally`` to do it."""
+
+    def __init__(self, body, served, run):
+        super().__init__(body, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self._served, self._run = served, run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._served.finished(self._run)
+
+
 def create_app(model, model_id, aliases=(), served=None):
     served = served or Served(model, model_id, aliases)
     app = FastAPI(title="llambda", summary="OpenAI-compatible API over a llambda model")
@@ -221,8 +238,7 @@ def create_app(model, model_id, aliases=(), served=None):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
         if req.stream:
-            return StreamingResponse(chat_stream(served, run, req, head), media_type="text/event-stream",
-                                     headers=STREAM_HEADERS)
+            return EventStream(chat_stream(served, run, req, head), served, run)
         try:
             events = await run.collect(request)
         finally:
@@ -257,8 +273,7 @@ def create_app(model, model_id, aliases=(), served=None):
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
-            return StreamingResponse(completion_stream(served, run, req, head, echo), media_type="text/event-stream",
-                                     headers=STREAM_HEADERS)
+            return EventStream(completion_stream(served, run, req, head, echo), served, run)
         try:
             events = await run.collect(request)
         finally:

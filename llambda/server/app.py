@@ -1,0 +1,381 @@
+"""The OpenAI-compatible HTTP API over one shared Model.
+
+    app = create_app(model, "SmolLM2-135M-Instruct")     # then uvicorn.run(app), or llambda.server.serve
+
+Routes: GET /health, /metrics, /v1/models[/{id}]; POST /v1/completions, /v1/chat/completions,
+plain or streamed (Server-Sent Events, ``data: [DONE]`` last, a usage chunk before it when
+``stream_options.include_usage``).
+
+Every request becomes one engine sequence (Model.submit). The engine thread hands each token
+to the request's asyncio queue (``call_soon_threadsafe``: it never waits on the event loop);
+the route turns tokens into OpenAI's JSON. A client that goes away cancels its sequence: a
+stream notices when Starlette cancels the response (it listens for the disconnect), a plain
+request through a watcher on the connection. Both free the sequence's KV blocks before the
+engine's next step.
+"""
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import EngineBusy
+from ..errors import UserError
+from . import errors, schemas
+from .errors import ApiError
+from .metrics import Metrics
+
+RETRY_AFTER_S = 1
+
+
+class Served:
+    """What the routes share: the model, its names, the metrics and the requests in flight."""
+
+    def __init__(self, model, model_id, aliases=()):
+        self.model = model
+        self.model_id = model_id
+        self.names = {model_id, *aliases}
+        self.metrics = Metrics(model)
+        self.created = int(time.time())
+        self.active = set()               # completions not finished yet
+        self.draining = False
+
+    # -- checks -----------------------------------------------------------------
+    def check(self, req):
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if req.model not in self.names:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+        problem = schemas.unsupported(req)
+        if problem is not None:
+            raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")
+
+    # -- submitting -------------------------------------------------------------
+    def start(self, ids, req, logprobs, param):
+        """Submit the sequence; a Run to read its events from. Called on the event loop."""
+        n_ctx = self.model.n_ctx
+        if len(ids) >= n_ctx:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {n_ctx} with room "
+                                "for the reply (start the server with a larger --ctx, or shorten the prompt)",
+                           param=param, code="context_length_exceeded")
+        run = Run(asyncio.get_running_loop())
+        try:
+            run.completion = self.model.submit(ids, **schemas.sampling_options(req, n_ctx - len(ids)),
+                                               logprobs=logprobs, on_event=run.on_event)
+        except EngineBusy as e:
+            raise ApiError(429, str(e), type="rate_limit_error", code="server_busy",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except UserError as e:
+            raise ApiError(400, str(e), param=param) from None
+        self.active.add(run.completion)
+        return run
+
+    def finished(self, run):
+        c = run.completion
+        if c not in self.active:            # said already
+            return
+        if not c.done:                      # the client left, or the response failed
+            c.cancel()
+            self.metrics.disconnects.inc()
+        else:
+            self.metrics.finished(c)
+        self.active.discard(c)
+
+    def drain(self, grace_s):
+        """Refuse new requests; after ``grace_s`` cancel what still runs (on the event loop)."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self.cancel_all)
+
+    def cancel_all(self):
+        for c in list(self.active):
+            c.cancel()
+
+    # -- token text -------------------------------------------------------------
+    def token_str(self, token):
+        return self.model.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+    def chat_logprob(self, event):
+        def entry(token, logprob):
+            raw = self.model.tokenizer.token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return dict(entry(event.token, event.logprob),
+                    top_logprobs=[entry(t, lp) for t, lp in event.top_logprobs or ()])
+
+
+class Run:
+    """One request's sequence and the queue its events arrive on."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.queue = asyncio.Queue()
+        self.completion = None
+
+    def on_event(self, completion, event):
+        """On the engine thread: must be quick and must never raise (it would stop the engine)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:           # the event loop is closed: nobody waits for this any more
+            pass
+
+    async def events(self):
+        while True:
+            event = await self.queue.get()
+            if event is None:
+                return
+            yield event
+
+    async def collect(self, request):
+        """Every event, cancelling the sequence if the client disconnects meanwhile."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.completion.cancel()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return [event async for event in self.events()]
+        finally:
+            watcher.cancel()
+
+
+def usage(c):
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def sse(obj):
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def failure(c):
+    """The ApiError of a completion that neither stopped nor hit its length."""
+    if c.finish_reason == "error":
+        return ApiError(500, f"the engine failed: {c.error}", type="server_error", code="engine_error")
+    return ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
+                    code="shutting_down")
+
+
+MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
+
+
+async def parse(request, schema):
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    return schema.model_validate_json(bytes(body) or b"null")     # ValidationError -> 400 (errors.install)
+
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that ends its sequence however the response ends: a body generator that
+    never started (the client left before the first byte) has no ``finally`` to do it."""
+
+    def __init__(self, body, served, run):
+        super().__init__(body, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self._served, self._run = served, run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._served.finished(self._run)
+
+
+def create_app(model, model_id, aliases=(), served=None):
+    served = served or Served(model, model_id, aliases)
+    app = FastAPI(title="llambda", summary="OpenAI-compatible API over a llambda model")
+    app.state.served = served
+    errors.install(app, on_error=served.metrics.error)
+
+    @app.get("/health")
+    async def health():
+        if served.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = served.metrics.render()
+        return Response(body, media_type=content_type)
+
+    def model_card():
+        return {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "llambda"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        if name not in served.names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.model_id!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, schemas.ChatRequest)
+        served.check(req)
+
+        def prompt_ids():
+            text = model.render_chat(schemas.message_dicts(req))
+            return model.tokenize(text, add_special=model.chat_template.builtin)
+        try:
+            ids = await run_in_threadpool(prompt_ids)
+        except UserError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        run = served.start(ids, req, top, "messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
+        if req.stream:
+            return EventStream(chat_stream(served, run, req, head), served, run)
+        try:
+            events = await run.collect(request)
+        finally:
+            served.finished(run)
+        c = run.completion
+        if c.finish_reason not in ("stop", "length"):
+            raise failure(c)
+        logprobs = None
+        if top is not None:
+            logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
+                        "refusal": None}
+        text = "".join(e.text for e in events)
+        return dict(head, choices=[{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                                    "logprobs": logprobs, "finish_reason": c.finish_reason}], usage=usage(c))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, schemas.CompletionRequest)
+        served.check(req)
+        prompt = schemas.completion_prompt(req)
+        if isinstance(prompt, str):
+            try:
+                ids = await run_in_threadpool(model.tokenize, prompt)
+            except UserError as e:
+                raise ApiError(400, str(e), param="prompt") from None
+        else:
+            ids = list(prompt)
+        echo = ""
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else await run_in_threadpool(model.detokenize, ids)
+        run = served.start(ids, req, req.logprobs, "prompt")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        if req.stream:
+            return EventStream(completion_stream(served, run, req, head, echo), served, run)
+        try:
+            events = await run.collect(request)
+        finally:
+            served.finished(run)
+        c = run.completion
+        if c.finish_reason not in ("stop", "length"):
+            raise failure(c)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs(served, len(echo))
+            for e in events:
+                logprobs.add(e)
+            logprobs = logprobs.as_dict()
+        text = echo + "".join(e.text for e in events)
+        return dict(head, choices=[{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}],
+                    usage=usage(c))
+
+    return app
+
+
+class CompletionLogprobs:
+    """The legacy completions' logprobs: parallel lists of tokens, their logprobs, the top
+    alternatives ({token: logprob}) and each token's offset in the text."""
+
+    def __init__(self, served, offset=0):
+        self.served, self.offset = served, offset
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+
+    def add(self, event):
+        if event.token is not None:
+            s = self.served
+            self.tokens.append(s.token_str(event.token))
+            self.token_logprobs.append(event.logprob)
+            self.top_logprobs.append({s.token_str(t): lp for t, lp in event.top_logprobs or ()})
+            self.text_offset.append(self.offset)
+        self.offset += len(event.text)
+
+    def as_dict(self):
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+async def chat_stream(served, run, req, head):
+    c = run.completion
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    want_logprobs = bool(req.logprobs)
+    base = dict(head, object="chat.completion.chunk")
+
+    def chunk(delta, finish_reason=None, logprobs=None):
+        d = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in run.events():
+            if want_logprobs and event.token is not None:
+                yield chunk({"content": event.text},
+                            logprobs={"content": [served.chat_logprob(event)], "refusal": None})
+            elif event.text:
+                yield chunk({"content": event.text})
+        if c.finish_reason in ("stop", "length"):
+            yield chunk({}, c.finish_reason)
+            if include_usage:
+                yield sse(dict(base, choices=[], usage=usage(c)))
+        else:
+            e = failure(c)
+            yield sse(errors.error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+    finally:
+        served.finished(run)
+
+
+async def completion_stream(served, run, req, head, echo):
+    c = run.completion
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = dict(head, object="text_completion")
+
+    def chunk(text, finish_reason=None, logprobs=None):
+        d = dict(base, choices=[{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+    try:
+        if echo:
+            yield chunk(echo)
+        offset = len(echo)
+        async for event in run.events():
+            if req.logprobs is not None and event.token is not None:
+                lp = CompletionLogprobs(served, offset)
+                lp.add(event)
+                yield chunk(event.text, logprobs=lp.as_dict())
+            elif event.text:
+                yield chunk(event.text)
+            offset += len(event.text)
+        if c.finish_reason in ("stop", "length"):
+            yield chunk("", c.finish_reason)
+            if include_usage:
+                yield sse(dict(base, choices=[], usage=usage(c)))
+        else:
+            e = failure(c)
+            yield sse(errors.error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+    finally:
+        served.finished(run)

@@ -1,0 +1,166 @@
+"""The request bodies of the OpenAI API that llambda serves, as pydantic models.
+
+Validation is strict (a string is not a number, a number is not a string), so an ill-typed field
+is a 400 naming it rather than a silent coercion; unknown fields are ignored, as OpenAI's own
+clients send fields a local server has no use for (``user``, ``metadata``, ...). Ranges follow
+the OpenAI API reference; ``top_k``, ``min_p``, ``repeat_penalty`` and ``ignore_eos`` are
+llama.cpp's extras. Options llambda cannot honour (n > 1, tools, logit_bias, ...) are refused
+by ``unsupported()`` instead of being dropped.
+"""
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI takes any 64-bit seed; the sampler wants a non-negative one (see sampling_options).
+Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)]
+Stop = Union[str, Annotated[list[str], Field(max_length=16)]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+    model: str
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=128)]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Stop] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    seed: Optional[Seed] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # llama.cpp's extras
+    top_k: Optional[Annotated[int, Field(ge=0)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0.0, lt=1.0)]] = None
+    repeat_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
+    ignore_eos: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(_Body):
+    """Any part; only text parts are understood (see unsupported)."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class Message(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")     # name, tool_call_id, ... reach the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=0)]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    tools: Optional[list[dict]] = None
+    response_format: Optional[ResponseFormat] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16       # OpenAI's default for completions
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    echo: Optional[bool] = False
+    best_of: Optional[Annotated[int, Field(ge=1)]] = None
+    suffix: Optional[str] = None
+
+
+def unsupported(req):
+    """(param, message) of the first option of ``req`` llambda does not implement, else None."""
+    if req.n not in (None, 1):
+        return "n", "only n=1 is supported (one choice per request)"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if isinstance(req, ChatRequest):
+        if req.tools:
+            return "tools", "tools are not supported"
+        if req.response_format is not None and req.response_format.type != "text":
+            return "response_format", f"response_format {req.response_format.type!r} is not supported (only 'text')"
+        if req.top_logprobs is not None and not req.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        return f"messages[{i}].content[{j}]", f"content part of type {part.type!r} is not supported (only 'text')"
+    else:
+        if req.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if req.suffix:
+            return "suffix", "suffix is not supported"
+        if req.echo and req.logprobs is not None:
+            return "echo", "echo with logprobs is not supported"
+        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+            if len(req.prompt) != 1:
+                return "prompt", "only one prompt per request is supported"
+    return None
+
+
+def message_dicts(req):
+    """The messages as the chat template takes them: text content, OpenAI's developer role as system."""
+    out = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "".join(part.text for part in m.content)
+        elif m.content is None:
+            d["content"] = ""
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
+def completion_prompt(req):
+    """The prompt of a completion request: a string or a list of token ids."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        return p[0]
+    if isinstance(p, list) and p and isinstance(p[0], list):
+        if len(p) != 1:
+            return None
+        return p[0]
+    return p
+
+
+def sampling_options(req, n_ctx_left):
+    """Model.submit's keyword arguments from a request, with OpenAI's defaults (temperature 1,
+    top_p 1, no top_k / min_p / penalties unless asked for)."""
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    else:
+        max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = n_ctx_left          # chat's default: as long as the context allows
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0.0:                     # only the most likely token survives: greedy
+        temperature, top_p = 0.0, 1.0
+    seed = None if req.seed is None else req.seed % 2 ** 64
+    stop = req.stop if req.stop is not None else []
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+                repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                seed=seed, stop=stop, ignore_eos=req.ignore_eos)

@@ -24,6 +24,18 @@ def _positive_int(option):
     return parse
 
 
+def _positive_number(option):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option}: expected a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{option}: expected a positive number, got {text}")
+        return value
+    return parse
+
+
 def _add_model_options(p):
     p.add_argument("--model", metavar="PATH|NAME",
                    help="GGUF, converted llambda file, or a fetchable model's name (llambda fetch --list; "
@@ -135,7 +147,7 @@ def cmd_serve(args):
     from .server import serve
     return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
-                 log_level=args.log_level)
+                 log_level=args.log_level, kv_cache_mb=args.kv_cache_mb)
 
 
 def cmd_convert(args):
@@ -233,6 +245,9 @@ def build_parser():
                        help="sequences generated at once, each with a full context of KV cache (default 4)")
     serve.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=64, metavar="N",
                        help="requests that may wait for a slot; beyond, 429 with Retry-After (default 64)")
+    serve.add_argument("--kv-cache-mb", type=_positive_number("--kv-cache-mb"), default=None, metavar="MB",
+                       help="bound the KV cache to MB MiB (default: room for --parallel full contexts); "
+                            "requests wait for room")
     serve.add_argument("--shutdown-grace", type=float, default=3.0, metavar="S",
                        help="on SIGTERM/SIGINT, let running requests finish for S seconds, then cancel them")
     serve.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),

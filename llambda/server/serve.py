@@ -33,7 +33,7 @@ def listen(host, port):
 
 
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
-          grace_s=3.0, log_level="warning"):
+          grace_s=3.0, log_level="warning", kv_cache_mb=None):
     try:
         import uvicorn
         from .app import create_app
@@ -43,8 +43,11 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
                         "pip install 'llambda[serve]'") from None
     import llambda
 
-    model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting)
+    model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
+                         kv_cache_mb=kv_cache_mb)
     try:
+        # every step shape's plan now, so that no request's first token waits for one
+        model.engine.call(model.net.warm_plans)
         model_id, aliases = model_names(model, model_arg)
         app = create_app(model, model_id, aliases)
         served = app.state.served

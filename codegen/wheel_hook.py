@@ -12,9 +12,10 @@ by its path, before anything is installed, so it imports nothing from llambda.
   x86-64 shared library that links against nothing, so any CPython 3 on the platform
   runs it, but only on that platform.
 
-The build needs PeachPy (Debian's python3-peachpy) and ``ld`` in the Python that runs
-it, which an isolated build environment cannot see: build with ``python -m build
---no-isolation`` from a Python that imports peachpy (``make wheel`` does).
+The build needs PeachPy (Debian's python3-peachpy), numpy (codegen/contract.py) and
+binutils (``ld``, ``strip``). An isolated build environment cannot see Debian's PeachPy:
+build with ``python -m build --no-isolation`` from a Python that imports peachpy and has
+``build`` and setuptools >= 70.1 (``make wheel`` does).
 """
 import os
 import shutil
@@ -35,7 +36,7 @@ KERNELS = ("llambda", "runtime", "kernels")
 # built (make wheel passes the one make kernels built): taken when its recorded source
 # key is the key of these generators, which makes it the same bytes a build would give.
 BUILD_SCRIPT = """
-import importlib, importlib.util, json, os, shutil, sys, tempfile
+import importlib, importlib.util, json, os, shutil, subprocess, sys, tempfile
 codegen, out = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("_llambda_codegen", codegen + "/__init__.py",
                                               submodule_search_locations=[codegen])
@@ -65,6 +66,10 @@ os.makedirs(out)
 for name in (build.LIBRARY_NAME, build.MANIFEST_NAME, build.KEY_NAME):   # not the object file
     shutil.copy(os.path.join(source, name), out)
 tmp.cleanup()
+# PeachPy numbers each function's constants (<function>.__local<N>) in an order that changes
+# from run to run; code and data do not. Without those local symbols every build of the
+# same generators gives the same bytes, so the sdist's wheel is the checkout's.
+subprocess.run(["strip", "--discard-all", os.path.join(out, build.LIBRARY_NAME)], check=True)
 """
 
 

@@ -56,9 +56,10 @@ def packaged_key():
         built = json.loads((PACKAGED_DIR / KEY_NAME).read_text())
     except (OSError, ValueError):
         return None
-    if not (PACKAGED_DIR / LIBRARY_NAME).exists() or built.get("key") != source_key(peachpy=built.get("peachpy")):
+    if not (PACKAGED_DIR / LIBRARY_NAME).exists():
         return None
-    return built["key"]
+    key = built.get("key")
+    return key if key == source_key(peachpy=built.get("peachpy")) else None
 
 
 class Location(NamedTuple):

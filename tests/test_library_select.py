@@ -3,6 +3,7 @@ its source key is the key of the installed generators, otherwise the cache's, bu
 PeachPy when missing, and a clear error when neither can serve. No network, no real build:
 the libraries here are stand-in files, and the build is a fake that records its call."""
 import json
+import subprocess
 import sys
 import types
 
@@ -132,3 +133,13 @@ def test_version_names_the_packaged_key(where, monkeypatch, no_peachpy):
     assert text.splitlines()[0] == f"llambda {llambda.__version__}"
     assert f"source key {key}, packaged" in text
     assert "isa: none, the numpy reference backend (LLAMBDA_BACKEND=numpy)" in text
+
+
+def test_python_dash_m_llambda_is_the_command(tmp_path):
+    import llambda
+    proc = subprocess.run([sys.executable, "-m", "llambda", "--version"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"llambda {llambda.__version__}"
+    assert lines[1].startswith("kernel library: source key ") and lines[2].startswith("isa: ")

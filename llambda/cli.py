@@ -211,8 +211,46 @@ def cmd_bench(args):
     return 0
 
 
+def version_text():
+    """What ``llambda --version`` prints: the version, the kernel library's source key and where
+    it comes from, and the ISA this machine runs. Builds nothing."""
+    import llambda
+    from .runtime import cpu, library
+    where = library.locate()
+    origin = {"packaged": "packaged with this installation", "built": "built",
+              "unbuilt": "not built yet (built on first use)"}[where.origin]
+    lines = [f"llambda {llambda.__version__}",
+             f"kernel library: source key {where.key}, {origin}: {where.directory}"]
+    backend = os.environ.get("LLAMBDA_BACKEND") or ("avx2" if cpu.supports("avx2") else "numpy")
+    if backend != "avx2":
+        missing = cpu.missing_flags("avx2")
+        why = f"this CPU lacks {', '.join(missing)}" if missing else f"LLAMBDA_BACKEND={backend}"
+        lines.append(f"isa: none, the numpy reference backend ({why})")
+    elif where.origin == "unbuilt":
+        lines.append("isa: avx2 (the int8 products' variant is chosen once the library is built)")
+    else:
+        from .runtime.native.quant import widest_qgemm_isa
+        widest = widest_qgemm_isa()
+        lines.append("isa: avx2" if widest == "avx2" else f"isa: avx2, and {widest} for int8 weight products")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version, the kernel library's source key and the ISA chosen here")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            print(version_text())
+        except (UserError, ValueError, OSError, RuntimeError) as e:
+            parser.exit(2, f"llambda: {e}\n")
+        parser.exit()
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="llambda", description="CPU inference for LLaMA-architecture GGUF models")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="raw completion of a prompt (no chat template)")

@@ -1,15 +1,23 @@
-"""The kernel library: find the current build in the cache, build it if stale, load it.
+"""The kernel library: find the current build, build it if stale, load it.
 
-The library lives in ``<cache>/kernels/<source key>/`` beside ``manifest.json``.
-The key hashes the generators, so a changed generator means a new directory
-and a rebuild; an unchanged one means loading only (no PeachPy import).
-ctypes signatures come from the manifest, i.e. from what the build emitted.
+Where it comes from, first match wins:
+
+1. ``$LLAMBDA_KERNEL_DIR`` (built there if missing);
+2. the library a wheel ships in ``llambda/runtime/kernels/``, when its recorded source
+   key is the key of the generators installed beside it;
+3. ``<cache>/kernels/<source key>/``, built there with PeachPy and ``ld`` if missing.
+
+The key hashes the generators, so a changed generator (a development checkout)
+means a new directory and a rebuild; an unchanged one means loading only: the
+first two never import PeachPy or call the linker. ctypes signatures come from
+the manifest, i.e. from what the build emitted.
 """
 import ctypes
 import functools
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from . import cpu
 from .paths import cache_dir
@@ -26,7 +34,12 @@ class KernelLibraryError(RuntimeError):
     pass
 
 
+# Where a wheel puts the library it ships (codegen/wheel_hook.py builds it there).
+PACKAGED_DIR = Path(__file__).resolve().parent / "kernels"
+
+
 def library_dir():
+    """The cache directory of the library the current generators give (or the override)."""
     override = os.environ.get("LLAMBDA_KERNEL_DIR")
     if override:
         return Path(override)
@@ -96,19 +109,56 @@ def _write_memo(path, memo):
             tmp.unlink(missing_ok=True)
 
 
+def packaged_key():
+    """The source key the packaged library was built from, when it matches the installed
+    generators (recomputed with the PeachPy version that built it: none is needed here);
+    None when there is no packaged library or it was built from other generators."""
+    from llambda.codegen.build import KEY_NAME, LIBRARY_NAME, source_key
+    try:
+        built = json.loads((PACKAGED_DIR / KEY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (PACKAGED_DIR / LIBRARY_NAME).exists():
+        return None
+    key = built.get("key")
+    return key if key == source_key(peachpy=built.get("peachpy")) else None
+
+
+class Location(NamedTuple):
+    directory: Path
+    origin: str         # "packaged", "built" (in the cache or the override) or "unbuilt"
+    key: str
+
+
+def locate():
+    """Where the library is (or will be built), without building or importing PeachPy."""
+    from llambda.codegen.build import LIBRARY_NAME
+    if not os.environ.get("LLAMBDA_KERNEL_DIR"):
+        key = packaged_key()
+        if key is not None:
+            return Location(PACKAGED_DIR, "packaged", key)
+    directory = library_dir()
+    return Location(directory, "built" if (directory / LIBRARY_NAME).exists() else "unbuilt",
+                    current_source_key())
+
+
 def ensure_built(verbose=False):
     """Return the directory of a current library, building it if needed."""
     from llambda.codegen.build import LIBRARY_NAME, build
-    directory = library_dir()
-    if (directory / LIBRARY_NAME).exists():
-        return directory
+    where = locate()
+    if where.origin != "unbuilt":
+        return where.directory
+    directory = where.directory
     try:
         import peachpy  # noqa: F401
     except ImportError:
+        shipped = (f"the packaged library in {PACKAGED_DIR} was built from other generators, "
+                   if PACKAGED_DIR.exists() else "")
         raise KernelLibraryError(
-            f"the kernel library {directory / LIBRARY_NAME} is not built and PeachPy is not importable "
-            "to build it; install Debian's python3-peachpy (apt-get install python3-peachpy) and use a "
-            "Python that sees it (run 'make kernels' in the llambda checkout)") from None
+            f"the kernel library {directory / LIBRARY_NAME} is not built, {shipped}and PeachPy is not "
+            "importable to build it; install llambda from its wheel (make wheel), or install Debian's "
+            "python3-peachpy (apt-get install python3-peachpy) and use a Python that sees it "
+            "(run 'make kernels' in the llambda checkout)") from None
     if verbose:
         print(f"building kernel library in {directory}", flush=True)
     build(directory)

@@ -85,7 +85,10 @@ def _generator_stamp():
     here = Path(codegen.__file__).resolve().parent
     lines = [f"families={os.environ.get('LLAMBDA_FAMILIES', '')}"]
     paths = sorted(here.glob("*.py"))
-    spec = importlib.util.find_spec("peachpy")
+    try:
+        spec = importlib.util.find_spec("peachpy")
+    except ValueError:              # imported without a spec, or blocked (sys.modules entry None)
+        spec = None
     if spec is not None and spec.origin:
         paths.append(Path(spec.origin))
     for path in paths:

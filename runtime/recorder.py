@@ -6,9 +6,14 @@ Model code runs its forward pass once against a ``PlanRecorder``: every op
 ``runtime.plan.Plan``. Running the plan then costs one native call per thread.
 
 Splits: matrix products by output columns (16 at a time: one 64-byte line of
-f32), attention by heads (each thread with its own scratch), row-wise ops by
-rows, elementwise ops by elements. Ops too small to be worth splitting run on
-thread 0.
+f32), attention by heads (each chunk with its own scratch), row-wise ops by
+rows, elementwise ops by elements. A split op is a dynamic op of a few chunks
+per thread (runtime/plan.py): whichever thread is free claims the next chunk,
+so a thread that another process keeps off its core costs the others at most
+the chunk it holds. Ops too small to be worth splitting are one chunk, run by
+whichever thread gets there first. A chunk runs the same kernel over the same
+k order whoever claims it, and chunks split by output columns (or rows, heads,
+elements) only: a value never depends on the chunking or on the thread.
 
 Barriers are placed where data flows, not after every op: the recorder
 tracks the memory each op reads and writes since the last barrier and puts a
@@ -32,10 +37,20 @@ from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
 from .native import quant as n_quant
 from .native._lib import index_range
-from .plan import Plan, split_range
+from .plan import Plan, chunk_ranges
 
 LINE = 16                 # f32 per 64-byte cache line: the unit of every split
-MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this run on thread 0
+MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this are one chunk
+CHUNKS_PER_THREAD = 4     # a split op's chunks, per thread: enough for a free thread to take over
+
+
+class Chunked(list):
+    """The calls of a dynamic op, one ``(symbol, args)`` per chunk; ``writes``: more
+    memory its chunks write (each chunk's own scratch), for placing barriers."""
+
+    def __init__(self, calls, writes=()):
+        super().__init__(calls)
+        self.writes = list(writes)
 
 
 @dataclass
@@ -62,13 +77,15 @@ class PlanRecorder:
         self._manifest = library.load().manifest
         self._pos0_slots = ([], [])        # (op handles, int-arg index) of attention's pos0
         self._pending_reads, self._pending_writes = [], []
-        self._scratch = [backend.attention_scratch(n_ctx, 1) for _ in range(n_threads)]
+        self._n_ctx, self._backend = n_ctx, backend
+        self._scratch = []                 # attention scratch per chunk index, made when first needed
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):
-        """Append one op: ``calls`` is one ``(symbol, args)`` per thread (None: idle)."""
+        """Append one op: ``calls`` is a Chunked (a dynamic op) or one ``(symbol, args)``
+        per thread (None: idle)."""
         reads = [_interval(a) for a in reads]
-        writes = [_interval(a) for a in writes]
+        writes = [_interval(a) for a in writes + getattr(calls, "writes", [])]
         if self.plan.n_ops and (_overlaps(reads, self._pending_writes)
                                 or _overlaps(writes, self._pending_writes + self._pending_reads)):
             self.plan.set_barrier(self.plan.n_ops - 1)
@@ -76,21 +93,42 @@ class PlanRecorder:
         symbol, first_args = next(c for c in calls if c is not None)
         kinds = [ctype for _, ctype in self._manifest[symbol]["args"]]
         floats = [a for a, k in zip(first_args, kinds) if k == "float"]
-        per_thread = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]
-        handle = self.plan.add(symbol, float_args=floats, per_thread=per_thread, barrier=False)
+        ints = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]
+        if isinstance(calls, Chunked):
+            handle = self.plan.add(symbol, float_args=floats, chunks=ints, barrier=False)
+        else:
+            handle = self.plan.add(symbol, float_args=floats, per_thread=ints, barrier=False)
         self._pending_reads += reads
         self._pending_writes += writes
         self.ops.append(info)
         return handle
 
     def _serial(self, call):
-        return [call] + [None] * (self.n_threads - 1)
+        """One chunk: whichever thread comes first runs it."""
+        return Chunked([call])
 
     def _split(self, n, multiple, make_call, min_size=0):
-        """One call per thread over ``[0, n)`` in chunks of ``multiple``; thread 0 alone when small."""
+        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, a few per thread;
+        one chunk when small."""
+        return Chunked(make_call(c) for c in self._chunk_ranges(n, multiple, min_size))
+
+    def _chunk_ranges(self, n, multiple, min_size=0):
         if self.n_threads == 1 or n < max(min_size, 2 * multiple):
-            return self._serial(make_call((0, n)))
-        return [None if c is None else make_call(c) for c in split_range(n, self.n_threads, multiple)]
+            return [(0, n)]
+        units = -(-n // multiple)
+        n_chunks = min(units, CHUNKS_PER_THREAD * self.n_threads)
+        return chunk_ranges(n, -(-units // n_chunks) * multiple, multiple)
+
+    def _attention_calls(self, q, k_cache, v_cache, pos0, scale, out, h0, h1, window):
+        """Attention over heads h0..h1 in chunks of heads, each chunk with its own scratch
+        (two ops whose chunks share a scratch get a barrier between them)."""
+        ranges = self._chunk_ranges(h1 - h0, 1)
+        while len(self._scratch) < len(ranges):
+            self._scratch.append(self._backend.attention_scratch(self._n_ctx, 1))
+        scratch = self._scratch[:len(ranges)]
+        return Chunked((n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, scratch[c],
+                                                   heads=(h0 + a, h0 + b), window=window)
+                        for c, (a, b) in enumerate(ranges)), writes=scratch)
 
     def finish(self):
         """Close the plan: the executor ends every plan with a barrier anyway."""
@@ -99,9 +137,9 @@ class PlanRecorder:
         return self
 
     def set_pos0(self, pos0):
-        handles, index = self._pos0_slots
-        if handles:
-            self.plan.records["int_args"][np.array(handles), :, np.array(index)] = pos0
+        handles, indices = self._pos0_slots
+        for index in sorted(set(indices)):
+            self.plan.set_int_arg_of_ops([h for h, i in zip(handles, indices) if i == index], index, pos0)
 
     # -- the ops (same signatures as the backends) ------------------------------
     def embed(self, w, ids, out):
@@ -156,11 +194,7 @@ class PlanRecorder:
         those query heads, split across the threads; ``window`` as in the binding."""
         m, n_head, hd = q.shape
         h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
-        chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
-        calls = [None if c is None else
-                 n_attention.attention_call(q, k_cache, v_cache, pos0, scale, out, self._scratch[t],
-                                            heads=(h0 + c[0], h0 + c[1]), window=window)
-                 for t, c in enumerate(chunks)]
+        calls = self._attention_calls(q, k_cache, v_cache, pos0, scale, out, h0, h1, window)
         keys_per_query = np.arange(pos0 + 1, pos0 + m + 1)
         if window:
             keys_per_query = np.minimum(keys_per_query, window)
@@ -190,12 +224,14 @@ class PlanRecorder:
         self._gemm(n_gemm.gemm_f16_calls, "gemm_f16", x, w, out)
 
     def _gemm(self, make_calls, name, x, w, out):
-        # A large product is several kernel calls per thread (m and k blocks), to be
-        # run in order: one op each, every thread on the same columns throughout.
-        per_thread = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r))
-        steps = len(next(c for c in per_thread if c is not None))
+        # A large product is several kernel calls per column range (m and k blocks), to be
+        # run in order: one op each.
+        # Each step a dynamic op over the same column chunks; the step order per column
+        # is kept by the barriers between the steps (each writes what the last wrote).
+        per_chunk = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r))
+        steps = len(per_chunk[0])
         for step in range(steps):
-            calls = [None if c is None else c[step] for c in per_thread]
+            calls = Chunked(c[step] for c in per_chunk)
             self._add(calls, [x, *w.arrays.values()], [out],
                       OpInfo(name, 2.0 * x.shape[0] * w.n * w.k / steps,
                              (w.nbytes + x.nbytes + 4.0 * out.size) / steps))

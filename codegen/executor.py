@@ -76,10 +76,10 @@ this: profiling costs nothing when it is off.
 """
 import peachpy.stream
 from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, OR, XOR, IMUL, CMP, TEST,
-                            JZ, JNZ, JE, JNE, JAE, JBE, JMP, CALL, PAUSE, SFENCE, LFENCE, SYSCALL, Loop, Block,
+                            JZ, JNZ, JE, JNE, JAE, JBE, JS, JMP, PUSH, POP, CALL, PAUSE, SFENCE, LFENCE, SYSCALL, Loop, Block,
                             VMOVSS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
                             qword, dword, rax, rbx, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13,
-                            r14, r15, eax, xmm0, xmm1)
+                            r14, r15, eax, edx, esi, xmm0, xmm1)
 
 # rsp is not exported by peachpy.x86_64: PeachPy owns the stack unless told otherwise.
 from peachpy.x86_64.registers import rsp
@@ -98,7 +98,11 @@ STACK_ARGS = MAX_INT_ARGS - len(INT_ARG_REGISTERS)
 # Stack slots for the call, rounded up to keep rsp 16-byte aligned at CALL.
 STACK_ARGS_BYTES = (STACK_ARGS * 8 + 15) // 16 * 16
 SPINS_BEFORE_YIELD = 256
+YIELDS_BEFORE_SLEEP = 16
+SLEEP_NS = 20_000
 SYS_SCHED_YIELD = 24
+SYS_FUTEX = 202
+FUTEX_WAIT_PRIVATE = 128
 STAMP_BYTES = 8 * STAMP_WORDS
 
 RECORD_SHIFT = RECORD_BYTES.bit_length() - 1
@@ -115,7 +119,8 @@ FRAME_STAMPS = 16           # (timed) where this thread's next op stamps go
 FRAME_PHASE_RECORD = 24     # this thread's record of the first op not yet waited for
 FRAME_PHASE_LINE = 32       # that op's state line
 FRAME_CHUNKS = 40           # the chunk records
-FRAME_BYTES = 48
+FRAME_TIMEOUT = 48          # struct timespec {0 s, SLEEP_NS}: a waiter's nap
+FRAME_BYTES = 64
 
 
 def emit_run_plan(isa, timed=False):
@@ -157,6 +162,8 @@ def emit_run_plan(isa, timed=False):
         MOV([rsp + FRAME_N_THREADS], op_stride)
         MOV([rsp + FRAME_RUN], rdx)
         MOV([rsp + FRAME_CHUNKS], rcx)
+        MOV(qword[rsp + FRAME_TIMEOUT], 0)
+        MOV(qword[rsp + FRAME_TIMEOUT + 8], SLEEP_NS)
         if timed:
             # stamp_row += tid * (n_ops + 1) * STAMP_BYTES (a register IMUL: no immediate)
             LEA(r11, [ops_left + 1])
@@ -318,8 +325,8 @@ def _wait_finished(last_line, op_stride, sync_base, finished):
 
     An op is finished when its done count reaches run * (its chunks, or n_threads
     for a static op). The loop's registers are ones SYSCALL leaves alone (it
-    clobbers rax, rcx, r11)."""
-    op_record, op_line, target, spins = rdi, rsi, r8, r9
+    clobbers rax, rcx, r11); the futex call's own arguments are saved around it."""
+    op_record, op_line, target, spins, yields = rdi, rsi, r8, r9, rdx
     each_op, check, counted = Label(), Label(), Label()
     MOV(op_record, [rsp + FRAME_PHASE_RECORD])
     MOV(op_line, [rsp + FRAME_PHASE_LINE])
@@ -332,6 +339,7 @@ def _wait_finished(last_line, op_stride, sync_base, finished):
     LABEL(counted)
     IMUL(target, [rsp + FRAME_RUN])
     MOV(spins.as_dword, SPINS_BEFORE_YIELD)
+    MOV(yields.as_dword, YIELDS_BEFORE_SLEEP)
     with Loop() as spin:
         CMP(qword[op_line + DONE_OFFSET], target)
         JAE(spin.end)
@@ -340,9 +348,31 @@ def _wait_finished(last_line, op_stride, sync_base, finished):
         JNE(finished)
         SUB(spins, 1)
         JNZ(spin.begin)
+        MOV(spins.as_dword, SPINS_BEFORE_YIELD)
+        nap = Label()
+        SUB(yields, 1)
+        JS(nap)
         MOV(eax, SYS_SCHED_YIELD)
         SYSCALL()
-        MOV(spins.as_dword, SPINS_BEFORE_YIELD)
+        JMP(spin.begin)
+        LABEL(nap)
+        # futex(&done, FUTEX_WAIT_PRIVATE, done's low half as just read, &timeout): returns
+        # at once if the count moved, else after SLEEP_NS; nobody wakes it. Sleeping, not
+        # yielding, leaves this CPU idle, so the scheduler can move the thread we wait
+        # for onto it when another process holds that thread's CPU.
+        MOV(yields.as_dword, 0)             # from now on every spell of spinning ends in a nap
+        PUSH(rdi)
+        PUSH(rsi)
+        PUSH(yields)
+        MOV(edx, dword[op_line + DONE_OFFSET])
+        LEA(r10, [rsp + 24 + FRAME_TIMEOUT])
+        LEA(rdi, [op_line + DONE_OFFSET])
+        MOV(esi, FUTEX_WAIT_PRIVATE)
+        MOV(eax, SYS_FUTEX)
+        SYSCALL()
+        POP(yields)
+        POP(rsi)
+        POP(rdi)
         JMP(spin.begin)
     ADD(op_record, op_stride)
     ADD(op_line, STATE_LINE_BYTES)

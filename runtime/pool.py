@@ -12,10 +12,9 @@ Python. That wait counts finished work, not arrived threads (codegen/executor.py
 run() returns when worker 0 has seen the whole plan finished, while a worker
 whose core was taken by another process may still be walking the ops it
 missed, finding them done. The job it holds keeps the plan's arrays alive
-until it is back. Measured on the 2-core development VM: a run costs ~2 us of Python
-and ctypes; with 2 threads the sleeping worker joins ~16 us later (its
-wake-up latency, paid once per plan); a barrier costs ~20 ns with one thread
-and ~100 ns with two.
+until it is back. A sleeping worker joins a run only after its wake-up latency
+(paid once per plan; the README has the figures), and starts on whatever
+chunks are left.
 
 ``pool.run(plan, stamps=plan.stamp_buffer())`` runs the executor's timed
 twin instead, which writes per-op time-stamp counter readings into

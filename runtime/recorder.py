@@ -41,16 +41,23 @@ from .plan import Plan, chunk_ranges
 
 LINE = 16                 # f32 per 64-byte cache line: the unit of every split
 MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this are one chunk
-CHUNKS_PER_THREAD = 4     # a split op's chunks, per thread: enough for a free thread to take over
+# A split op's chunks per thread: enough for a free thread to take over a busy one's share,
+# few enough that claiming them costs little. Long ops (prefill products, the LM head) get
+# more: their chunks are long anyway, and finer ones even out a ragged end.
+CHUNKS_PER_THREAD = 4
+CHUNKS_PER_THREAD_LONG = 8
+LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
+LONG_OP_BYTES = 2e6
 
 
 class Chunked(list):
     """The calls of a dynamic op, one ``(symbol, args)`` per chunk; ``writes``: more
     memory its chunks write (each chunk's own scratch), for placing barriers."""
 
-    def __init__(self, calls, writes=()):
+    def __init__(self, calls, writes=(), resplit=None):
         super().__init__(calls)
         self.writes = list(writes)
+        self.resplit = resplit          # chunks_per_thread -> the same op in other chunks
 
 
 @dataclass
@@ -84,6 +91,8 @@ class PlanRecorder:
     def _add(self, calls, reads, writes, info):
         """Append one op: ``calls`` is a Chunked (a dynamic op) or one ``(symbol, args)``
         per thread (None: idle)."""
+        if getattr(calls, "resplit", None) and (info.flops > LONG_OP_FLOPS or info.bytes > LONG_OP_BYTES):
+            calls = calls.resplit(CHUNKS_PER_THREAD_LONG)
         reads = [_interval(a) for a in reads]
         writes = [_interval(a) for a in writes + getattr(calls, "writes", [])]
         if self.plan.n_ops and (_overlaps(reads, self._pending_writes)
@@ -107,16 +116,17 @@ class PlanRecorder:
         """One chunk: whichever thread comes first runs it."""
         return Chunked([call])
 
-    def _split(self, n, multiple, make_call, min_size=0):
-        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, a few per thread;
-        one chunk when small."""
-        return Chunked(make_call(c) for c in self._chunk_ranges(n, multiple, min_size))
+    def _split(self, n, multiple, make_call, min_size=0, per_thread=CHUNKS_PER_THREAD):
+        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, ``per_thread`` per
+        thread (``_add`` asks for more for a long op); one chunk when small."""
+        return Chunked((make_call(c) for c in self._chunk_ranges(n, multiple, min_size, per_thread)),
+                       resplit=lambda more: self._split(n, multiple, make_call, min_size, more))
 
-    def _chunk_ranges(self, n, multiple, min_size=0):
+    def _chunk_ranges(self, n, multiple, min_size=0, per_thread=CHUNKS_PER_THREAD):
         if self.n_threads == 1 or n < max(min_size, 2 * multiple):
             return [(0, n)]
         units = -(-n // multiple)
-        n_chunks = min(units, CHUNKS_PER_THREAD * self.n_threads)
+        n_chunks = min(units, per_thread * self.n_threads)
         return chunk_ranges(n, -(-units // n_chunks) * multiple, multiple)
 
     def _attention_calls(self, q, k_cache, v_cache, pos0, scale, out, h0, h1, window):
@@ -228,7 +238,9 @@ class PlanRecorder:
         # run in order: one op each.
         # Each step a dynamic op over the same column chunks; the step order per column
         # is kept by the barriers between the steps (each writes what the last wrote).
-        per_chunk = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r))
+        long_op = 2.0 * x.shape[0] * w.n * w.k > LONG_OP_FLOPS or w.nbytes > LONG_OP_BYTES
+        per_chunk = self._split(w.n, LINE, lambda r: make_calls(x, w, out, rows=r),
+                                per_thread=CHUNKS_PER_THREAD_LONG if long_op else CHUNKS_PER_THREAD)
         steps = len(per_chunk[0])
         for step in range(steps):
             calls = Chunked(c[step] for c in per_chunk)

@@ -218,8 +218,8 @@ class PlanRecorder:
         self._pos0_slots[1].append(int_names.index("pos0"))
 
     def quantize_q8(self, x, qs, d, s):
-        call = n_quant.quantize_q8_call(x, qs, d, s)
-        self._add(self._serial(call), [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
+        calls = self._split(x.shape[0], 8, lambda r: n_quant.quantize_q8_call(x, qs, d, s, rows=r), min_size=32)
+        self._add(calls, [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
 
     def qgemm(self, qs, d, s, w, out):
         m = qs.shape[0]

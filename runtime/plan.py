@@ -228,14 +228,20 @@ class Plan:
             if args is None:
                 raise ValueError(f"chunks[{c}]: every chunk needs its arguments (None is for per_thread)")
             self._check_arg_count(f"chunks[{c}]", list(args), n_int)
-        chunk_words = [[_encode_int(arg, "chunks") for arg in args] for args in chunks]
+        words = _plain_words(chunks)        # the common case: all plain integers, in one array
+        chunk_words = None if words is not None else [[_encode_int(arg, "chunks") for arg in args]
+                                                      for args in chunks]
         first = self._append_chunks(len(chunks))
         rows = self._chunks[first:first + len(chunks)]
         rows["fn"] = address
         rows["float_args"][:, :n_float] = float_args
-        for c, words in enumerate(chunk_words):
-            for i, word in enumerate(words):
-                self._write_chunk_int(first + c, i, word)
+        if words is not None:
+            if n_int:
+                rows["int_args"][:, :n_int] = words
+        else:
+            for c, encoded in enumerate(chunk_words):
+                for i, word in enumerate(encoded):
+                    self._write_chunk_int(first + c, i, word)
         op = self._append_row()
         self._first_chunk.append(first)
         self._records["barrier"][op] = 1 if barrier else 0
@@ -389,6 +395,16 @@ class Plan:
             self._runs = 0
         self._n_ops += 1
         return self._n_ops - 1
+
+
+def _plain_words(arg_lists):
+    """``arg_lists`` as a u64 array when every argument is a plain int in [0, 2**64), else None."""
+    if not all(type(arg) is int for args in arg_lists for arg in args):
+        return None
+    try:
+        return np.array(arg_lists, dtype=np.uint64)
+    except (OverflowError, ValueError):
+        return None                 # a negative or too large value: the slow path explains it
 
 
 def _encode_int(value, name):

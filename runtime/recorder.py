@@ -50,14 +50,26 @@ LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
 LONG_OP_BYTES = 2e6
 
 
+class Split:
+    """A split op not yet cut into chunks: ``_add`` cuts it into a few chunks per thread,
+    more for a long op, so that each chunk's call is made (and validated) once.
+    ``make_calls``: ranges -> their calls, when the binding validates once for many."""
+
+    def __init__(self, recorder, n, multiple, make_call, min_size, make_calls=None):
+        self.recorder, self.n, self.multiple, self.min_size = recorder, n, multiple, min_size
+        self.make_calls = make_calls or (lambda ranges: [make_call(r) for r in ranges])
+
+    def chunked(self, per_thread):
+        return Chunked(self.make_calls(self.recorder._chunk_ranges(self.n, self.multiple, self.min_size, per_thread)))
+
+
 class Chunked(list):
     """The calls of a dynamic op, one ``(symbol, args)`` per chunk; ``writes``: more
     memory its chunks write (each chunk's own scratch), for placing barriers."""
 
-    def __init__(self, calls, writes=(), resplit=None):
+    def __init__(self, calls, writes=()):
         super().__init__(calls)
         self.writes = list(writes)
-        self.resplit = resplit          # chunks_per_thread -> the same op in other chunks
 
 
 @dataclass
@@ -89,10 +101,11 @@ class PlanRecorder:
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):
-        """Append one op: ``calls`` is a Chunked (a dynamic op) or one ``(symbol, args)``
-        per thread (None: idle)."""
-        if getattr(calls, "resplit", None) and (info.flops > LONG_OP_FLOPS or info.bytes > LONG_OP_BYTES):
-            calls = calls.resplit(CHUNKS_PER_THREAD_LONG)
+        """Append one op: ``calls`` is a Split or a Chunked (a dynamic op), or one
+        ``(symbol, args)`` per thread (None: idle)."""
+        if isinstance(calls, Split):
+            calls = calls.chunked(CHUNKS_PER_THREAD_LONG if info.flops > LONG_OP_FLOPS or info.bytes > LONG_OP_BYTES
+                                  else CHUNKS_PER_THREAD)
         reads = [_interval(a) for a in reads]
         writes = [_interval(a) for a in writes + getattr(calls, "writes", [])]
         if self.plan.n_ops and (_overlaps(reads, self._pending_writes)
@@ -116,11 +129,11 @@ class PlanRecorder:
         """One chunk: whichever thread comes first runs it."""
         return Chunked([call])
 
-    def _split(self, n, multiple, make_call, min_size=0, per_thread=CHUNKS_PER_THREAD):
-        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, ``per_thread`` per
-        thread (``_add`` asks for more for a long op); one chunk when small."""
-        return Chunked((make_call(c) for c in self._chunk_ranges(n, multiple, min_size, per_thread)),
-                       resplit=lambda more: self._split(n, multiple, make_call, min_size, more))
+    def _split(self, n, multiple, make_call, min_size=0, per_thread=None, make_calls=None):
+        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, one chunk when small:
+        ``per_thread`` per thread, or (None) as many as ``_add`` finds right for the op."""
+        split = Split(self, n, multiple, make_call, min_size, make_calls)
+        return split if per_thread is None else split.chunked(per_thread)
 
     def _chunk_ranges(self, n, multiple, min_size=0, per_thread=CHUNKS_PER_THREAD):
         if self.n_threads == 1 or n < max(min_size, 2 * multiple):
@@ -223,7 +236,7 @@ class PlanRecorder:
 
     def qgemm(self, qs, d, s, w, out):
         m = qs.shape[0]
-        calls = self._split(w.n, LINE, lambda r: n_quant.qgemm_call(qs, d, s, w, out, rows=r))
+        calls = self._split(w.n, LINE, None, make_calls=lambda rs: n_quant.qgemm_calls(qs, d, s, w, out, rs))
         self._add(calls, [qs, d, s, *w.arrays.values()], [out],
                   OpInfo(f"qgemm_{w.kind}", 2.0 * m * w.n * w.k, w.nbytes + qs.nbytes + 4.0 * out.size))
 

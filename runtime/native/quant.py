@@ -140,6 +140,12 @@ def _qgemm_isa(isa, m, kind=None):
 
 
 def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
+    return qgemm_calls(qs, d, s, w, out, [rows], isa=isa)[0]
+
+
+def qgemm_calls(qs, d, s, w, out, ranges, *, isa=None):
+    """One ``qgemm_call`` per ``rows`` range in ``ranges``, the arrays validated once
+    (a plan's chunks of one product differ only in their ranges)."""
     # The kernel broadcasts activations and stores outputs unaligned, so row slices of
     # them (e.g. the last token's row for the LM head) work; the weights need 32 bytes.
     v.array("qs", qs, np.int8, ndim=2, align=ELEMENT_ALIGN)
@@ -149,9 +155,15 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     v.array("s", s, np.float32, (m, kb), align=ELEMENT_ALIGN)
     weight_arrays = _check_weight(w, k)
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
-    n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
-    group0 = n0 // GROUP
     isa = _qgemm_isa(isa, m, w.kind)
-    return qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa), [
-        *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
-        s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]
+    symbol = qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa)
+    weights = [(a.ctypes.data, a.strides[0]) for a in weight_arrays]
+    qs_at, d_at, s_at, out_at = qs.ctypes.data, d.ctypes.data, s.ctypes.data, out.ctypes.data
+    calls = []
+    for rows in ranges:
+        n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
+        group0 = n0 // GROUP
+        calls.append((symbol, [*(at + group0 * stride for at, stride in weights), qs_at, d_at, s_at,
+                               out_at + 4 * n0, m, n1 - n0, kb, w.n]))
+    return calls
+

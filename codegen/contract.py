@@ -28,11 +28,12 @@ INT_ARGS_OFFSET = 24
 MAX_INT_ARGS = 13
 MAX_FLOAT_ARGS = 2
 STAMP_WORDS = 2      # per op and thread: kernel returned, released
-# Per op, one 64-byte line of the plan's state: chunks claimed and records finished, both
-# counted over every run of the plan (codegen/executor.py explains the claiming).
-STATE_LINE_BYTES = 64
+# Per op, two 64-byte lines of the plan's state: chunks claimed, and records finished, both
+# counted over every run of the plan (codegen/executor.py explains the claiming). Apart, so
+# that threads spinning on the one do not take the line from threads claiming on the other.
+STATE_LINE_BYTES = 128
 CLAIMED_OFFSET = 0
-DONE_OFFSET = 8
+DONE_OFFSET = 64
 
 @dataclass(frozen=True)
 class ArraySpec:

@@ -29,7 +29,7 @@ Record (RECORD_BYTES = 128, two cache lines; offsets below):
 Every slot is always passed: a kernel ignores the registers and stack slots
 it does not declare, so the executor needs no per-op argument count.
 
-Waiting counts work, not threads. ``state`` holds one 64-byte line per op:
+Waiting counts work, not threads. ``state`` holds two 64-byte lines per op:
 CLAIMED_OFFSET, the chunks claimed, and DONE_OFFSET, the records finished
 (a dynamic op's chunks; a static op's records, one per thread, idle ones
 included), both counted over every run of the plan. ``run`` numbers the runs

@@ -51,7 +51,8 @@ from . import buffers
 from . import validate as v
 
 from ..codegen.contract import (BARRIER_OFFSET, CHUNKS_OFFSET, FLOAT_ARGS_OFFSET, FN_OFFSET, INT_ARGS_OFFSET,
-                                MAX_FLOAT_ARGS, MAX_INT_ARGS, RECORD_BYTES, STAMP_WORDS, STATE_LINE_BYTES)
+                                MAX_FLOAT_ARGS, MAX_INT_ARGS, RECORD_BYTES, STAMP_WORDS, STATE_LINE_BYTES,
+                                CLAIMED_OFFSET, DONE_OFFSET)
 
 RECORD = np.dtype({
     "names": ["fn", "float_args", "barrier", "chunks", "int_args"],
@@ -152,9 +153,18 @@ class Plan:
 
     @property
     def state(self):
-        """The executor's counters, u64 ``[n_ops][8]``: per op chunks claimed and records
-        finished, over every run since the state was zeroed (a view: read it, don't keep it)."""
+        """The executor's counters, u64 ``[n_ops][STATE_WORDS]`` (a view: read it, don't keep it)."""
         return self._state[:self._n_ops]
+
+    @property
+    def claimed(self):
+        """Per op, the chunks claimed over every run since the state was zeroed (a copy)."""
+        return self.state[:, CLAIMED_OFFSET // 8].copy()
+
+    @property
+    def done(self):
+        """Per op, the records finished (chunks, or one per thread for a static op), likewise."""
+        return self.state[:, DONE_OFFSET // 8].copy()
 
     @property
     def runs(self):

@@ -185,7 +185,7 @@ def test_ops_added_after_a_run_start_from_fresh_counters():
         plan.add("llb_copy_f32__avx2", chunks=[[dst[a:], out[a:], b - a] for a, b in chunk_ranges(64, 32)])
         assert plan.runs == 0 and not plan.state.any()
         plan.run(pool)
-    assert (out == 2.0).all() and plan.state[:, 1].tolist() == [4, 2]
+    assert (out == 2.0).all() and plan.done.tolist() == [4, 2]
 
 
 def test_bad_arguments_raise_before_anything_runs():

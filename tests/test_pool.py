@@ -141,7 +141,7 @@ def test_every_chunk_runs_exactly_once_per_run(n_threads):
         for run in range(1, runs + 1):
             within_timeout(lambda: pool.run(plan))
             np.testing.assert_array_equal(z, np.float32(3 * run))
-    claimed, done = plan.state[:, 0], plan.state[:, 1]
+    claimed, done = plan.claimed, plan.done
     np.testing.assert_array_equal(claimed, runs * len(ranges))
     np.testing.assert_array_equal(done, runs * len(ranges))
     assert plan.runs == runs

@@ -44,6 +44,7 @@ passing numpy arrays rather than addresses keeps the buffers alive as long as
 the plan refers to them.
 """
 import ctypes
+import itertools
 
 import numpy as np
 
@@ -409,7 +410,7 @@ class Plan:
 
 def _plain_words(arg_lists):
     """``arg_lists`` as a u64 array when every argument is a plain int in [0, 2**64), else None."""
-    if not all(type(arg) is int for args in arg_lists for arg in args):
+    if set(map(type, itertools.chain.from_iterable(arg_lists))) - {int}:
         return None
     try:
         return np.array(arg_lists, dtype=np.uint64)

@@ -231,7 +231,7 @@ class PlanRecorder:
         self._pos0_slots[1].append(int_names.index("pos0"))
 
     def quantize_q8(self, x, qs, d, s):
-        calls = self._split(x.shape[0], 8, lambda r: n_quant.quantize_q8_call(x, qs, d, s, rows=r), min_size=32)
+        calls = self._split(x.shape[0], 8, None, 32, make_calls=lambda rs: n_quant.quantize_q8_calls(x, qs, d, s, rs))
         self._add(calls, [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
 
     def qgemm(self, qs, d, s, w, out):

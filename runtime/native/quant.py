@@ -57,16 +57,24 @@ def quantize_q8(x, qs, d, s):
 def quantize_q8_call(x, qs, d, s, rows=None):
     """``rows=(r0, r1)``: quantize only those rows (each block is quantized on its own,
     so a row's result does not depend on the split)."""
+    return quantize_q8_calls(x, qs, d, s, [rows])[0]
+
+
+def quantize_q8_calls(x, qs, d, s, ranges):
+    """One ``quantize_q8_call`` per ``rows`` range in ``ranges``, the arrays validated once."""
     v.array("x", x, np.float32, ndim=2)
     m, k = x.shape
     kb = _block_count("x", k)
     v.array("qs", qs, np.int8, (m, k), writable=True)
     v.array("d", d, np.float32, (m, kb), writable=True)
     v.array("s", s, np.float32, (m, kb), writable=True)
-    r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
-    return "llb_quantize_q8_f32_32__avx2", [x.ctypes.data + 4 * r0 * k, qs.ctypes.data + r0 * k,
-                                            d.ctypes.data + 4 * r0 * kb, s.ctypes.data + 4 * r0 * kb,
-                                            (r1 - r0) * kb]
+    x_at, qs_at, d_at, s_at = x.ctypes.data, qs.ctypes.data, d.ctypes.data, s.ctypes.data
+    calls = []
+    for rows in ranges:
+        r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
+        calls.append(("llb_quantize_q8_f32_32__avx2", [x_at + 4 * r0 * k, qs_at + r0 * k, d_at + 4 * r0 * kb,
+                                                       s_at + 4 * r0 * kb, (r1 - r0) * kb]))
+    return calls
 
 
 def _check_weight(w, k):

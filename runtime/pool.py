@@ -112,6 +112,7 @@ class _Crew:
         self.aborting = False           # workers woken during a recovery skip the plan
         self.closing = False
         self.dirty = False              # worker 0 may not have run its share of the last round
+        self.started = None             # the plan of the last round begun
 
     def work(self, tid, cpu):
         """A worker thread's life: sleep until a round, run its share, report, repeat."""
@@ -150,6 +151,7 @@ class _Crew:
         them: every thread's stamps are written when it returns."""
         self.settle()
         self.dirty = True
+        self.started = plan             # counted a run from here on: settle() resets it if cut short
         job = (plan, plan.start_run(), stamps)
         with self.lock:
             self.job = job
@@ -181,8 +183,8 @@ class _Crew:
             self.start.notify_all()     # in case the interrupt cut the wake-up short
         self.wait_for_workers()
         self.sync[:] = 0
-        if self.job is not None:
-            self.job[0].reset_state()
+        for plan in {id(p): p for p in (self.started, self.job and self.job[0]) if p is not None}.values():
+            plan.reset_state()
         self.aborting = False
         self.dirty = False
 

@@ -324,3 +324,18 @@ def test_thread_counts_come_from_the_cores_or_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="n_threads: expected an integer >= 1"):
             WorkerPool(bad)
     assert not worker_threads()
+
+
+def test_a_run_counted_but_never_published_is_reset():
+    """An interrupt between the plan counting a run and the round starting: the next run
+    must not look for chunks of a run that never happened."""
+    chain = check_chain(n=300, n_threads=2, steps=3, runs=1, chunk_sizes=[16] * 9)
+    with WorkerPool(2) as pool:
+        pool.run(chain.plan)
+        crew = pool._crew
+        crew.dirty = True
+        crew.started = chain.plan
+        chain.plan.start_run()                          # ... and the interrupt lands here
+        want = chain.expected_after_one_run(chain.z.copy())
+        within_timeout(lambda: pool.run(chain.plan))
+        np.testing.assert_array_equal(chain.z, want)

@@ -76,7 +76,8 @@ this: profiling costs nothing when it is off.
 """
 import peachpy.stream
 from peachpy.x86_64 import (LOAD, RETURN, Label, LABEL, MOV, LEA, ADD, SUB, AND, SHL, OR, XOR, IMUL, CMP, TEST,
-                            JZ, JNZ, JE, JNE, JAE, JBE, JS, JMP, PUSH, POP, CALL, PAUSE, SFENCE, LFENCE, SYSCALL, Loop, Block,
+                            JZ, JNZ, JE, JNE, JAE, JBE, JS, JMP, PUSH, POP, CALL, PAUSE, SFENCE, LFENCE, SYSCALL,
+                            Loop, Block,
                             VMOVSS, GeneralPurposeRegister64, XMMRegister, YMMRegister,
                             qword, dword, rax, rbx, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13,
                             r14, r15, eax, edx, esi, xmm0, xmm1)

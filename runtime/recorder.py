@@ -173,37 +173,38 @@ class PlanRecorder:
 
     def rmsnorm(self, x, w, eps, out):
         rows, d = int(np.prod(x.shape[:-1])), x.shape[-1]
-        calls = self._split(rows, 1, lambda r: n_elementwise.rmsnorm_call(x, w, eps, out, rows=r), min_size=8)
+        calls = self._split(rows, 1, None, 8, make_calls=lambda rs: n_elementwise.rmsnorm_calls(x, w, eps, out, rs))
         self._add(calls, [x, w], [out], OpInfo("rmsnorm", 3.0 * rows * d, 8.0 * rows * d))
 
     def add(self, a, b, out):
-        calls = self._split(a.size, LINE, lambda s: n_elementwise.add_call(a, b, out, span=s), MIN_SPLIT_ELEMENTS)
+        calls = self._split(a.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.add_calls(a, b, out, s))
         self._add(calls, [a, b], [out], OpInfo("add", a.size, 12.0 * a.size))
 
     def silu_mul(self, gate, up, out):
-        calls = self._split(gate.size, LINE, lambda s: n_elementwise.silu_mul_call(gate, up, out, span=s),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(gate.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.silu_mul_calls(gate, up, out, s))
         self._add(calls, [gate, up], [out], OpInfo("silu_mul", 6.0 * gate.size, 12.0 * gate.size))
 
     def gelu_mul(self, gate, up, out):
-        calls = self._split(gate.size, LINE, lambda s: n_elementwise.gelu_mul_call(gate, up, out, span=s),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(gate.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.gelu_mul_calls(gate, up, out, s))
         self._add(calls, [gate, up], [out], OpInfo("gelu_mul", 10.0 * gate.size, 12.0 * gate.size))
 
     def scale(self, x, s, out):
-        calls = self._split(x.size, LINE, lambda sp: n_elementwise.scale_call(x, s, out, span=sp),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(x.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda sp: n_elementwise.scale_calls(x, s, out, sp))
         self._add(calls, [x], [out], OpInfo("scale", x.size, 8.0 * x.size))
 
     def add_bias(self, x, bias, out):
         rows, n = int(np.prod(x.shape[:-1])), x.shape[-1]
-        calls = self._split(rows, 1, lambda r: n_elementwise.add_bias_call(x, bias, out, rows=r), min_size=8)
+        calls = self._split(rows, 1, None, 8, make_calls=lambda rs: n_elementwise.add_bias_calls(x, bias, out, rs))
         self._add(calls, [x, bias], [out], OpInfo("add_bias", rows * n, 8.0 * rows * n + 4.0 * n))
 
     def rope(self, x, positions, cos, sin, style, out):
         m = x.shape[0]
-        calls = self._split(m, 1, lambda r: n_elementwise.rope_call(x, positions, cos, sin, style, out, rows=r),
-                            min_size=8)
+        calls = self._split(m, 1, None, 8,
+                            make_calls=lambda rs: n_elementwise.rope_calls(x, positions, cos, sin, style, out, rs))
         self._add(calls, [x, positions, cos, sin], [out], OpInfo("rope", 3.0 * x.size, 16.0 * x.size))
 
     def kv_store(self, src, positions, cache):

@@ -144,3 +144,27 @@ def test_recorder_ops_validate_before_recording():
         recorder.attention(q, cache, cache, 0, 1.0, buffers.zeros((1, 4, 8)), None, heads=(3, 5))
     assert recorder.plan.n_ops == 0
 
+
+
+def test_calls_for_many_ranges_are_the_single_calls():
+    """The *_calls helpers the recorder cuts chunks with validate once and give, range by
+    range, exactly what the single *_call gives."""
+    from llambda.runtime.native import elementwise as e, quant as q
+    rng = np.random.default_rng(5)
+    m, n = 5, 96
+    x, y, out, w = random(rng, (m, n)), random(rng, (m, n)), nan_buffer((m, n)), random(rng, n)
+    spans, rows = [(0, 32), (32, 48), (48, m * n)], [(0, 2), (2, 3), (3, m)]
+    cases = [(lambda r: e.add_call(x, y, out, span=r), lambda rs: e.add_calls(x, y, out, rs), spans),
+             (lambda r: e.scale_call(x, 2.0, out, span=r), lambda rs: e.scale_calls(x, 2.0, out, rs), spans),
+             (lambda r: e.silu_mul_call(x, y, out, span=r), lambda rs: e.silu_mul_calls(x, y, out, rs), spans),
+             (lambda r: e.gelu_mul_call(x, y, out, span=r), lambda rs: e.gelu_mul_calls(x, y, out, rs), spans),
+             (lambda r: e.add_bias_call(x, w, out, rows=r), lambda rs: e.add_bias_calls(x, w, out, rs), rows),
+             (lambda r: e.rmsnorm_call(x, w, 1e-5, out, rows=r), lambda rs: e.rmsnorm_calls(x, w, 1e-5, out, rs),
+              rows)]
+    qs, d, s = buffers.zeros((m, n), np.int8), buffers.zeros((m, n // 32)), buffers.zeros((m, n // 32))
+    cases.append((lambda r: q.quantize_q8_call(x, qs, d, s, rows=r), lambda rs: q.quantize_q8_calls(x, qs, d, s, rs),
+                  rows))
+    for single, many, ranges in cases:
+        assert many(ranges) == [single(r) for r in ranges]
+    with pytest.raises(ValueError, match="span"):
+        e.add_calls(x, y, out, [(0, 32), (8, 16)])          # a start off the cache line

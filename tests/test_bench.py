@@ -1,6 +1,8 @@
 """`llambda bench` end to end on a tiny model (speed itself is never asserted)."""
 import io
 import json
+import os
+import time
 
 import pytest
 
@@ -40,3 +42,27 @@ def test_bench_rejects_a_converted_file(tiny, tmp_path):
     llb = convert.convert(tiny, tmp_path / "tiny.llb", progress=False)
     with pytest.raises(SystemExit, match="must be a GGUF"):
         bench.run(str(llb), threads=(1,), repeats=1)
+
+
+def test_busy_core_spins_a_pinned_child_for_the_block_only():
+    from llambda.busy_core import busy_core
+    from llambda.errors import UserError
+    cpu = max(os.sched_getaffinity(0))
+    with busy_core(cpu) as child:
+        assert child.poll() is None
+        deadline = time.monotonic() + 10
+        while os.sched_getaffinity(child.pid) != {cpu} and time.monotonic() < deadline:
+            pass                                    # the child pins itself first thing
+        assert os.sched_getaffinity(child.pid) == {cpu}
+    assert child.poll() is not None
+    with busy_core(None) as nothing:
+        assert nothing is None
+    with pytest.raises(UserError, match="--busy-core"):
+        with busy_core(10_000):
+            pass
+
+
+def test_the_table_says_when_a_core_was_busy(tiny):
+    report = bench.run(str(tiny), threads=(1,), repeats=1, n_ctx=1024, as_json=True, out=io.StringIO(),
+                       gen_tokens=4, busy_cpu=max(os.sched_getaffinity(0)))
+    assert "kept busy by another process" in bench._markdown(report, ["llambda"], (1,))

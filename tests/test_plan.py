@@ -10,7 +10,8 @@ from hypothesis import given, strategies as st
 from helpers import float_arrays, nan_buffer, sizes
 
 from llambda.runtime import buffers
-from llambda.runtime.plan import Plan, RECORD, MAX_INT_ARGS, MAX_FLOAT_ARGS, split_range, kernel_address
+from llambda.runtime.plan import (Plan, RECORD, MAX_INT_ARGS, MAX_FLOAT_ARGS, chunk_ranges, split_range,
+                                  kernel_address)
 from llambda.runtime.pool import WorkerPool
 
 ECHO = "llb_echo_args__avx2"
@@ -28,6 +29,7 @@ def test_record_layout_matches_the_generated_executor():
     assert RECORD.fields["fn"][1] == executor.FN_OFFSET
     assert RECORD.fields["float_args"][1] == executor.FLOAT_ARGS_OFFSET
     assert RECORD.fields["barrier"][1] == executor.BARRIER_OFFSET
+    assert RECORD.fields["chunks"][1] == executor.CHUNKS_OFFSET
     assert RECORD.fields["int_args"][1] == executor.INT_ARGS_OFFSET
     assert (MAX_INT_ARGS, MAX_FLOAT_ARGS) == (executor.MAX_INT_ARGS, executor.MAX_FLOAT_ARGS)
 
@@ -113,6 +115,77 @@ def test_split_range_covers_the_range_in_aligned_chunks(n, n_threads, multiple):
     sizes = [stop - start for start, stop in spans[:-1]]             # the last one may be a short tail
     assert not sizes or max(sizes) - min(sizes) <= multiple
     assert len(spans) == min(n_threads, -(-n // multiple))          # idle only when work runs out
+
+
+@given(st.integers(1, 5000), st.integers(1, 3000), st.sampled_from([1, 8, 16, 64]))
+def test_chunk_ranges_cover_the_range_in_aligned_chunks(n, size, multiple):
+    chunks = chunk_ranges(n, size, multiple)
+    assert chunks[0][0] == 0 and chunks[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert all(start % multiple == 0 and stop > start for start, stop in chunks)
+    rounded = -(-size // multiple) * multiple
+    assert all(stop - start == rounded for start, stop in chunks[:-1])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_every_chunk_gets_its_own_arguments(n_threads):
+    """Dynamic ops: each chunk's 13 integers and the op's 2 floats reach the kernel,
+    with rsp aligned, whichever thread claims the chunk; patches reach every chunk."""
+    n_chunks = 7
+    outs = [buffers.zeros(ECHO_BYTES, np.uint8) for _ in range(n_chunks)]
+    ints = [[1000 * c + k for k in range(1, 12)] + [-1 - c] for c in range(n_chunks)]
+    plan = Plan(n_threads)
+    handle = plan.add(ECHO, chunks=[[outs[c]] + ints[c] for c in range(n_chunks)], float_args=[1.5, -2.0])
+    assert plan.records["chunks"][handle].tolist() == [n_chunks] * n_threads
+    with WorkerPool(n_threads) as pool:
+        plan.run(pool)
+        for c in range(n_chunks):
+            got_ints, got_floats, rsp_mod_16 = echo_result(outs[c])
+            assert got_ints == [x % 2**64 for x in ints[c]]
+            assert got_floats == (np.float32(1.5), np.float32(-2.0)) and rsp_mod_16 == 8
+        plan.set_int_arg(handle, 2, 77)
+        plan.set_int_arg(handle, 3, [None] * (n_chunks - 1) + [5])
+        plan.set_int_arg_of_ops([handle], 4, 99)
+        plan.set_float_arg(handle, 0, 3.0)
+        plan.run(pool)
+    for c in range(n_chunks):
+        got_ints, got_floats, _ = echo_result(outs[c])
+        assert got_ints[1] == 77 and got_ints[3] == 99 and got_floats[0] == 3.0
+        assert got_ints[2] == (5 if c == n_chunks - 1 else ints[c][2])
+
+
+def test_bad_chunks_raise_before_anything_is_added():
+    out = buffers.zeros(ECHO_BYTES, np.uint8)
+    good = [out] + [0] * 12
+    plan = Plan(2)
+    with pytest.raises(ValueError, match="chunks: expected 1"):
+        plan.add(ECHO, chunks=[], float_args=[0, 0])
+    with pytest.raises(ValueError, match=r"chunks\[1\]: the kernel takes 13"):
+        plan.add(ECHO, chunks=[good, good[:2]], float_args=[0, 0])
+    with pytest.raises(ValueError, match=r"chunks\[0\]: every chunk needs"):
+        plan.add(ECHO, chunks=[None], float_args=[0, 0])
+    with pytest.raises(ValueError, match="give one of int_args, per_thread or chunks"):
+        plan.add(ECHO, per_thread=[good, None], chunks=[good], float_args=[0, 0])
+    with pytest.raises(ValueError, match="float_args: the kernel takes 2"):
+        plan.add(ECHO, chunks=[good], float_args=[0])
+    assert plan.n_ops == 0
+    handle = plan.add(ECHO, chunks=[good, good, good], float_args=[0, 0])
+    with pytest.raises(ValueError, match="value: expected one value per chunk"):
+        plan.set_int_arg(handle, 1, [1, 2])
+
+
+def test_ops_added_after_a_run_start_from_fresh_counters():
+    src, dst = buffers.full(64, 2.0), buffers.zeros(64)
+    plan = Plan(2)
+    plan.add("llb_copy_f32__avx2", chunks=[[src[a:], dst[a:], b - a] for a, b in chunk_ranges(64, 16)])
+    with WorkerPool(2) as pool:
+        plan.run(pool)
+        plan.run(pool)
+        out = buffers.zeros(64)
+        plan.add("llb_copy_f32__avx2", chunks=[[dst[a:], out[a:], b - a] for a, b in chunk_ranges(64, 32)])
+        assert plan.runs == 0 and not plan.state.any()
+        plan.run(pool)
+    assert (out == 2.0).all() and plan.done.tolist() == [4, 2]
 
 
 def test_bad_arguments_raise_before_anything_runs():

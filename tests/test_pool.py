@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from llambda.runtime import buffers
-from llambda.runtime.plan import Plan, split_range
+from llambda.runtime.plan import Plan, chunk_ranges, split_range
 from llambda.runtime.pool import WorkerPool, default_threads, physical_cores, pinning_order
 
 # Generous: with 5 threads on a busy 2-core machine every barrier may wait for a time slice.
@@ -46,23 +46,32 @@ class RotatingChain:
     Per step k: mirror z into w = [z, z] (two ops, no barrier between them),
     then z[j] = w[j + shift_k] + y_k[j] -- i.e. z = roll(z, -shift_k) + y_k --
     so each thread's chunk of the new z comes mostly from other threads' chunks.
-    Every element is one IEEE add, so any thread count must match numpy exactly."""
+    Every element is one IEEE add, so any thread count must match numpy exactly.
 
-    def __init__(self, n, n_threads, ys, shifts):
+    ``chunk_sizes``: None splits every op statically (one range per thread); else
+    one entry per op, in order: None for a static op, or the chunk size of a
+    dynamic one (its chunks claimed by whichever thread comes first)."""
+
+    def __init__(self, n, n_threads, ys, shifts, chunk_sizes=None):
         self.n, self.ys, self.shifts = n, ys, shifts
         self.z = buffers.zeros(n)
         self.w = buffers.zeros(2 * n)
         self.plan = Plan(n_threads)
-        chunks = split_range(n, n_threads, multiple=16)
+        self._split = split_range(n, n_threads, multiple=16)
+        self._sizes = iter(chunk_sizes or [None] * (3 * len(ys)))
         self.add_ops = []
         for y, shift in zip(ys, shifts):
-            self._per_chunk(chunks, "llb_copy_f32__avx2", lambda a, b: [self.z[a:], self.w[a:], b - a], barrier=False)
-            self._per_chunk(chunks, "llb_copy_f32__avx2", lambda a, b: [self.z[a:], self.w[n + a:], b - a])
+            self._per_chunk("llb_copy_f32__avx2", lambda a, b: [self.z[a:], self.w[a:], b - a], barrier=False)
+            self._per_chunk("llb_copy_f32__avx2", lambda a, b: [self.z[a:], self.w[n + a:], b - a])
             self.add_ops.append(self._per_chunk(
-                chunks, "llb_add_f32__avx2", lambda a, b, y=y, s=shift: [self.w[a + s:], y[a:], self.z[a:], b - a]))
+                "llb_add_f32__avx2", lambda a, b, y=y, s=shift: [self.w[a + s:], y[a:], self.z[a:], b - a]))
 
-    def _per_chunk(self, chunks, kernel, args, barrier=True):
-        return self.plan.add(kernel, per_thread=[None if c is None else args(*c) for c in chunks], barrier=barrier)
+    def _per_chunk(self, kernel, args, barrier=True):
+        size = next(self._sizes)
+        if size is None:
+            return self.plan.add(kernel, per_thread=[None if c is None else args(*c) for c in self._split],
+                                 barrier=barrier)
+        return self.plan.add(kernel, chunks=[args(*c) for c in chunk_ranges(self.n, size, 16)], barrier=barrier)
 
     def expected_after_one_run(self, z):
         for y, shift in zip(self.ys, self.shifts):
@@ -70,11 +79,11 @@ class RotatingChain:
         return z
 
 
-def check_chain(n, n_threads, steps, runs, seed=0):
+def check_chain(n, n_threads, steps, runs, seed=0, chunk_sizes=None):
     rng = np.random.default_rng(seed)
     ys = [buffers.aligned_copy(rng.standard_normal(n).astype(np.float32)) for _ in range(steps)]
     shifts = [int(s) for s in rng.integers(0, n, steps)]
-    chain = RotatingChain(n, n_threads, ys, shifts)
+    chain = RotatingChain(n, n_threads, ys, shifts, chunk_sizes)
     chain.z[:] = rng.standard_normal(n).astype(np.float32)
     want = chain.z.copy()
     with WorkerPool(n_threads) as pool:
@@ -97,6 +106,45 @@ def test_dependent_ops_match_one_thread_over_thousands_of_barriers(n_threads):
 def test_any_size_and_split_matches_numpy(data, n, n_threads, steps):
     rng_seed = data.draw(st.integers(0, 2**32 - 1))
     check_chain(n, n_threads, steps, runs=3, seed=rng_seed)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 4])
+def test_dynamic_chunks_match_one_thread_over_thousands_of_waits(n_threads):
+    check_chain(n=1000, n_threads=n_threads, steps=30, runs=40, chunk_sizes=[64] * 90)
+
+
+@settings(max_examples=25)
+@given(st.data(), st.sampled_from([1, 16, 17, 100, 257, 1000]), st.sampled_from([1, 2, 3, 4]), st.integers(1, 6))
+def test_dynamic_and_static_splits_give_identical_results(data, n, n_threads, steps):
+    """Random plans mixing static ops and dynamic ones of random chunk sizes: the
+    result is bit-identical to one thread's, whoever ran which chunk."""
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    sizes = data.draw(st.lists(st.one_of(st.none(), st.sampled_from([1, 16, 32, 48, 64, 1000])),
+                               min_size=3 * steps, max_size=3 * steps))
+    static = check_chain(n, n_threads, steps, runs=3, seed=seed)
+    dynamic = check_chain(n, n_threads, steps, runs=3, seed=seed, chunk_sizes=sizes)
+    np.testing.assert_array_equal(static.z, dynamic.z)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 4])
+def test_every_chunk_runs_exactly_once_per_run(n_threads):
+    """z[chunk] += y[chunk] in place, chunk by chunk: a chunk run twice (or never) shows
+    in z; the plan's counters say each run claimed and finished every chunk once."""
+    n, runs = 4096, 50
+    y = buffers.full(n, 1.0)
+    z = buffers.zeros(n)
+    ranges = chunk_ranges(n, 16, 16)
+    plan = Plan(n_threads)
+    for _ in range(3):
+        plan.add("llb_add_f32__avx2", chunks=[[z[a:], y[a:], z[a:], b - a] for a, b in ranges])
+    with WorkerPool(n_threads) as pool:
+        for run in range(1, runs + 1):
+            within_timeout(lambda: pool.run(plan))
+            np.testing.assert_array_equal(z, np.float32(3 * run))
+    claimed, done = plan.claimed, plan.done
+    np.testing.assert_array_equal(claimed, runs * len(ranges))
+    np.testing.assert_array_equal(done, runs * len(ranges))
+    assert plan.runs == runs
 
 
 def test_patched_pointers_are_used_by_every_thread():
@@ -172,13 +220,34 @@ def test_a_round_whose_caller_never_ran_is_aborted_and_the_pool_recovers():
         crew = pool._crew
         crew.dirty = True
         with crew.lock:
-            crew.job = (chain.plan.address, chain.plan.n_ops)
+            crew.job = (chain.plan, chain.plan.start_run(), None)
             crew.round += 1
             crew.start.notify_all()
         time.sleep(0.05)
         want = chain.expected_after_one_run(chain.z.copy())
         within_timeout(lambda: pool.run(chain.plan))    # settles the stuck round first
         np.testing.assert_array_equal(chain.z, want)
+
+
+def test_an_aborted_round_of_dynamic_chunks_leaves_the_plan_runnable():
+    """A round abandoned half way (worker 0 never ran; a static op waits for it) leaves
+    claim counts behind; the recovery zeroes them, and the next run is exact."""
+    steps = 4
+    sizes = [16, 16, 64] * 2 + [None, 16, 16] + [32] * 3
+    chain = check_chain(n=300, n_threads=3, steps=steps, runs=1, chunk_sizes=sizes)
+    with WorkerPool(3) as pool:
+        crew = pool._crew
+        crew.dirty = True
+        with crew.lock:
+            crew.job = (chain.plan, chain.plan.start_run(), None)
+            crew.round += 1
+            crew.start.notify_all()
+        time.sleep(0.05)
+        chain.z[:] = 0
+        want = chain.expected_after_one_run(chain.z.copy())
+        within_timeout(lambda: pool.run(chain.plan))
+        np.testing.assert_array_equal(chain.z, want)
+        assert chain.plan.runs == 1
 
 
 def run_child(script, timeout=TIMEOUT_S, interrupts=0):
@@ -255,3 +324,18 @@ def test_thread_counts_come_from_the_cores_or_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="n_threads: expected an integer >= 1"):
             WorkerPool(bad)
     assert not worker_threads()
+
+
+def test_a_run_counted_but_never_published_is_reset():
+    """An interrupt between the plan counting a run and the round starting: the next run
+    must not look for chunks of a run that never happened."""
+    chain = check_chain(n=300, n_threads=2, steps=3, runs=1, chunk_sizes=[16] * 9)
+    with WorkerPool(2) as pool:
+        pool.run(chain.plan)
+        crew = pool._crew
+        crew.dirty = True
+        crew.started = chain.plan
+        chain.plan.start_run()                          # ... and the interrupt lands here
+        want = chain.expected_after_one_run(chain.z.copy())
+        within_timeout(lambda: pool.run(chain.plan))
+        np.testing.assert_array_equal(chain.z, want)

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from helpers import nan_buffer, sizes, float_arrays
 from llambda.runtime import buffers
@@ -70,3 +70,24 @@ def test_quantize_q8_rejects_bad_arguments(native):
         native.quantize_q8(buffers.zeros((0, 32)), buffers.zeros((0, 32), np.int8),
                            buffers.zeros((0, 1)), buffers.zeros((0, 1)))
     native.quantize_q8(x, buffers.zeros((2, 64), np.int8), d, s)     # and the process is fine
+
+
+@settings(max_examples=20)
+@given(st.data(), sizes(1, 40), st.sampled_from([32, 576]))
+def test_quantize_q8_rows_quantize_only_those_rows(native, data, m, k):
+    """quantize_q8_call(rows=...) gives the rows the whole call gives them, bit for bit,
+    and leaves the other rows alone (what the recorder's row chunks rely on)."""
+    from llambda.runtime.native.quant import quantize_q8_call
+    from llambda.runtime.native._lib import kernel
+    x = float_arrays(data.draw, (m, k), scale=10.0)
+    r0 = data.draw(st.integers(0, m - 1))
+    r1 = data.draw(st.integers(r0 + 1, m))
+    whole, part = quantized_outputs(m, k), quantized_outputs(m, k)
+    for out in part:
+        out[...] = 7
+    native.quantize_q8(x, *whole)
+    symbol, args = quantize_q8_call(x, *part, rows=(r0, r1))
+    kernel(symbol)(*args)
+    for name, w, p in zip(("qs", "d", "s"), whole, part):
+        np.testing.assert_array_equal(p[r0:r1], w[r0:r1], err_msg=name)
+        assert (p[:r0] == 7).all() and (p[r1:] == 7).all(), name

@@ -29,7 +29,15 @@ def record(n_threads, build):
 
 
 def threads_used(plan, op):
-    return int((plan.records["fn"][op] != 0).sum())
+    """How many threads op ``op`` can keep busy: its chunks (a dynamic op, at most one
+    thread each), or its threads with a kernel (a static one)."""
+    chunks = int(plan.records["chunks"][op, 0])
+    return chunks if chunks else int((plan.records["fn"][op] != 0).sum())
+
+
+def split_across(plan, op, n_threads):
+    used = threads_used(plan, op)
+    return used == 1 if n_threads == 1 else used >= n_threads
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def test_elementwise_ops_match_direct_calls(native, n_threads):
     with WorkerPool(n_threads) as own_pool:
         recorder.plan.run(own_pool)
     for op in range(3):
-        assert threads_used(recorder.plan, op) == n_threads
+        assert split_across(recorder.plan, op, n_threads)
     want_scaled, want_biased, want_gelu = nan_buffer((m, n)), nan_buffer((m, n)), nan_buffer((m, n))
     native.scale(x, np.sqrt(640.0), want_scaled)
     native.add_bias(x, bias, want_biased)
@@ -75,7 +83,7 @@ def test_per_head_rmsnorm_matches_direct_call(native, pool):
     native.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6, want.reshape(m * n_head, head_dim))
     recorder = record(2, lambda rec: rec.rmsnorm(q.reshape(m * n_head, head_dim), w, 1e-6,
                                                  q.reshape(m * n_head, head_dim)))
-    assert threads_used(recorder.plan, 0) == 2           # 12 rows split by rows
+    assert split_across(recorder.plan, 0, 2)             # 12 rows split by rows
     recorder.plan.run(pool)
     np.testing.assert_array_equal(q, want)
 
@@ -92,7 +100,7 @@ def test_recorded_attention_heads_subset(native, pool):
     out, want = nan_buffer(q.shape), nan_buffer(q.shape)
     recorder = record(2, lambda rec: rec.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125,
                                                          out, None, heads=(2, 7), window=4))
-    assert threads_used(recorder.plan, 0) == 2
+    assert split_across(recorder.plan, 0, 2)
     assert recorder.ops[0].window == 4                    # the profiler costs the op by it
     recorder.plan.run(pool)
     native.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125, want,
@@ -120,3 +128,27 @@ def test_recorder_ops_validate_before_recording():
                                  heads=(3, 5))
     assert recorder.plan.n_ops == 0
 
+
+
+def test_calls_for_many_ranges_are_the_single_calls():
+    """The *_calls helpers the recorder cuts chunks with validate once and give, range by
+    range, exactly what the single *_call gives."""
+    from llambda.runtime.native import elementwise as e, quant as q
+    rng = np.random.default_rng(5)
+    m, n = 5, 96
+    x, y, out, w = random(rng, (m, n)), random(rng, (m, n)), nan_buffer((m, n)), random(rng, n)
+    spans, rows = [(0, 32), (32, 48), (48, m * n)], [(0, 2), (2, 3), (3, m)]
+    cases = [(lambda r: e.add_call(x, y, out, span=r), lambda rs: e.add_calls(x, y, out, rs), spans),
+             (lambda r: e.scale_call(x, 2.0, out, span=r), lambda rs: e.scale_calls(x, 2.0, out, rs), spans),
+             (lambda r: e.silu_mul_call(x, y, out, span=r), lambda rs: e.silu_mul_calls(x, y, out, rs), spans),
+             (lambda r: e.gelu_mul_call(x, y, out, span=r), lambda rs: e.gelu_mul_calls(x, y, out, rs), spans),
+             (lambda r: e.add_bias_call(x, w, out, rows=r), lambda rs: e.add_bias_calls(x, w, out, rs), rows),
+             (lambda r: e.rmsnorm_call(x, w, 1e-5, out, rows=r), lambda rs: e.rmsnorm_calls(x, w, 1e-5, out, rs),
+              rows)]
+    qs, d, s = buffers.zeros((m, n), np.int8), buffers.zeros((m, n // 32)), buffers.zeros((m, n // 32))
+    cases.append((lambda r: q.quantize_q8_call(x, qs, d, s, rows=r), lambda rs: q.quantize_q8_calls(x, qs, d, s, rs),
+                  rows))
+    for single, many, ranges in cases:
+        assert many(ranges) == [single(r) for r in ranges]
+    with pytest.raises(ValueError, match="span"):
+        e.add_calls(x, y, out, [(0, 32), (8, 16)])          # a start off the cache line

@@ -77,14 +77,22 @@ def _stream_call(symbol, inputs, out, span, floats=()):
     shape), then the ``floats`` ((name, value), finite), then ``out`` (each input identical to
     it or disjoint) and ``span``; returns (symbol, args): the inputs and out at the span's
     first element, the floats between them, and the span's length."""
+    return _stream_calls(symbol, inputs, out, [span], floats)[0]
+
+
+def _stream_calls(symbol, inputs, out, spans, floats=()):
+    """``_stream_call`` for each span of ``spans``, the arrays checked once."""
     (first_name, first), *others = inputs
     addresses = [checked_address(first_name, first, F32)]
     addresses += [checked_address(name, array, F32, first.shape) for name, array in others]
     values = [v.finite_float(name, value) for name, value in floats]
     out_at = _output("out", out, first.shape, inputs)
-    i0, i1 = _span(span, first.size)
-    skip = FLOAT_BYTES * i0
-    return symbol, [at + skip for at in addresses] + values + [out_at + skip, i1 - i0]
+    calls = []
+    for span in spans:
+        i0, i1 = _span(span, first.size)
+        skip = FLOAT_BYTES * i0
+        calls.append((symbol, [at + skip for at in addresses] + values + [out_at + skip, i1 - i0]))
+    return calls
 
 
 def _row_call(symbol, x, out, rows, vectors=(), scalars=()):
@@ -93,13 +101,21 @@ def _row_call(symbol, x, out, rows, vectors=(), scalars=()):
     ``scalars`` (functions returning a checked float: they run in this order), then ``out``
     (x itself or disjoint) and ``rows``; returns (symbol, args): x, the vectors, out, the
     row count, n and the scalars."""
+    return _row_calls(symbol, x, out, [rows], vectors, scalars)[0]
+
+
+def _row_calls(symbol, x, out, row_ranges, vectors=(), scalars=()):
+    """``_row_call`` for each range of ``row_ranges``, the arrays checked once."""
     x_at, n_rows, n = _rows("x", x)
     addresses = [checked_address(name, array, F32, (n,)) for name, array in vectors]
     values = [check() for check in scalars]
     out_at = _output("out", out, x.shape, [("x", x)], disjoint=vectors)
-    r0, r1 = _row_range(rows, n_rows)
-    skip = FLOAT_BYTES * n * r0
-    return symbol, [x_at + skip] + addresses + [out_at + skip, r1 - r0, n] + values
+    calls = []
+    for rows in row_ranges:
+        r0, r1 = _row_range(rows, n_rows)
+        skip = FLOAT_BYTES * n * r0
+        calls.append((symbol, [x_at + skip] + addresses + [out_at + skip, r1 - r0, n] + values))
+    return calls
 
 
 def _positive(name, value):
@@ -121,6 +137,11 @@ def add_call(a, b, out, span=None):
     return _stream_call("llb_add_f32__avx2", [("a", a), ("b", b)], out, span)
 
 
+def add_calls(a, b, out, spans):
+    """One ``add_call`` per span, the arrays checked once (a plan's chunks of one op)."""
+    return _stream_calls("llb_add_f32__avx2", [("a", a), ("b", b)], out, spans)
+
+
 def scale(x, s, out):
     """out = x * s (s a Python float, rounded to float32)."""
     symbol, args = scale_call(x, s, out)
@@ -129,6 +150,10 @@ def scale(x, s, out):
 
 def scale_call(x, s, out, span=None):
     return _stream_call("llb_scale_f32__avx2", [("x", x)], out, span, floats=[("s", s)])
+
+
+def scale_calls(x, s, out, spans):
+    return _stream_calls("llb_scale_f32__avx2", [("x", x)], out, spans, floats=[("s", s)])
 
 
 def exp(x, out):
@@ -151,6 +176,10 @@ def silu_mul_call(gate, up, out, span=None):
     return _stream_call("llb_silu_mul_f32__avx2", [("gate", gate), ("up", up)], out, span)
 
 
+def silu_mul_calls(gate, up, out, spans):
+    return _stream_calls("llb_silu_mul_f32__avx2", [("gate", gate), ("up", up)], out, spans)
+
+
 def gelu_mul(gate, up, out):
     """out = gelu_tanh(gate) * up: GeGLU's GELU (tanh approximation) of gate, times up.
 
@@ -162,6 +191,10 @@ def gelu_mul(gate, up, out):
 
 def gelu_mul_call(gate, up, out, span=None):
     return _stream_call("llb_gelu_mul_f32__avx2", [("gate", gate), ("up", up)], out, span)
+
+
+def gelu_mul_calls(gate, up, out, spans):
+    return _stream_calls("llb_gelu_mul_f32__avx2", [("gate", gate), ("up", up)], out, spans)
 
 
 # --------------------------------------------------------------------------- row-wise
@@ -176,6 +209,10 @@ def add_bias_call(x, bias, out, rows=None):
     return _row_call("llb_add_bias_f32__avx2", x, out, rows, vectors=[("bias", bias)])
 
 
+def add_bias_calls(x, bias, out, row_ranges):
+    return _row_calls("llb_add_bias_f32__avx2", x, out, row_ranges, vectors=[("bias", bias)])
+
+
 def rmsnorm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for every row i of x [..., d]; w is [d]."""
     symbol, args = rmsnorm_call(x, w, eps, out)
@@ -185,6 +222,11 @@ def rmsnorm(x, w, eps, out):
 def rmsnorm_call(x, w, eps, out, rows=None):
     return _row_call("llb_rmsnorm_f32__avx2", x, out, rows, vectors=[("w", w)],
                      scalars=[lambda: _positive("eps", eps)])
+
+
+def rmsnorm_calls(x, w, eps, out, row_ranges):
+    return _row_calls("llb_rmsnorm_f32__avx2", x, out, row_ranges, vectors=[("w", w)],
+                      scalars=[lambda: _positive("eps", eps)])
 
 
 def softmax(x, out):
@@ -209,6 +251,11 @@ def rope_call(x, positions, cos, sin, style, out, rows=None):
     """``rows=(t0, t1)``: tokens t0..t1-1 of x. The kernel reads the positions from
     memory when it runs, so a plan may rewrite them between runs; it must keep
     them within the tables (they are checked here, once)."""
+    return rope_calls(x, positions, cos, sin, style, out, [rows])[0]
+
+
+def rope_calls(x, positions, cos, sin, style, out, row_ranges):
+    """One ``rope_call`` per range of ``row_ranges``, the arrays checked once."""
     if style not in ROPE_STYLES:
         raise ValueError(f"style: expected one of {ROPE_STYLES}, got {style!r}")
     x_at = checked_address("x", x, F32, ndim=3)
@@ -220,10 +267,13 @@ def rope_call(x, positions, cos, sin, style, out, rows=None):
     sin_at = checked_address("sin", sin, F32, cos.shape)
     _check_positions(positions, cos.shape[0], "the tables' rows")
     out_at = _output("out", out, x.shape, [("x", x)], disjoint=[("cos", cos), ("sin", sin)])
-    t0, t1 = _row_range(rows, m)
-    skip = FLOAT_BYTES * n_heads * head_dim * t0
-    return f"llb_rope_{style}_f32__avx2", [x_at + skip, positions_at + 4 * t0, cos_at, sin_at,
-                                           out_at + skip, t1 - t0, n_heads, head_dim]
+    calls = []
+    for rows in row_ranges:
+        t0, t1 = _row_range(rows, m)
+        skip = FLOAT_BYTES * n_heads * head_dim * t0
+        calls.append((f"llb_rope_{style}_f32__avx2", [x_at + skip, positions_at + 4 * t0, cos_at, sin_at,
+                                                      out_at + skip, t1 - t0, n_heads, head_dim]))
+    return calls
 
 
 # --------------------------------------------------------------------------- KV cache

@@ -55,14 +55,27 @@ def quantize_q8(x, qs, d, s):
     kernel(symbol)(*args)
 
 
-def quantize_q8_call(x, qs, d, s):
+def quantize_q8_call(x, qs, d, s, rows=None):
+    """``rows=(r0, r1)``: quantize only those rows (each block is quantized on its own,
+    so a row's result does not depend on the split)."""
+    return quantize_q8_calls(x, qs, d, s, [rows])[0]
+
+
+def quantize_q8_calls(x, qs, d, s, ranges):
+    """One ``quantize_q8_call`` per ``rows`` range in ``ranges``, the arrays validated once."""
     v.array("x", x, np.float32, ndim=2)
     m, k = x.shape
     kb = _block_count("x", k)
     v.array("qs", qs, np.int8, (m, k), writable=True)
     v.array("d", d, np.float32, (m, kb), writable=True)
     v.array("s", s, np.float32, (m, kb), writable=True)
-    return "llb_quantize_q8_f32_32__avx2", [x.ctypes.data, qs.ctypes.data, d.ctypes.data, s.ctypes.data, m * kb]
+    x_at, qs_at, d_at, s_at = x.ctypes.data, qs.ctypes.data, d.ctypes.data, s.ctypes.data
+    calls = []
+    for rows in ranges:
+        r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
+        calls.append(("llb_quantize_q8_f32_32__avx2", [x_at + 4 * r0 * k, qs_at + r0 * k, d_at + 4 * r0 * kb,
+                                                       s_at + 4 * r0 * kb, (r1 - r0) * kb]))
+    return calls
 
 
 def _check_weight(w, k):
@@ -136,6 +149,12 @@ def _qgemm_isa(isa, m, kind=None):
 
 
 def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
+    return qgemm_calls(qs, d, s, w, out, [rows], isa=isa)[0]
+
+
+def qgemm_calls(qs, d, s, w, out, ranges, *, isa=None):
+    """One ``qgemm_call`` per ``rows`` range in ``ranges``, the arrays validated once
+    (a plan's chunks of one product differ only in their ranges)."""
     # The kernel broadcasts activations and stores outputs unaligned, so row slices of
     # them (e.g. the last token's row for the LM head) work; the weights need 32 bytes.
     v.array("qs", qs, np.int8, ndim=2, align=ELEMENT_ALIGN)
@@ -145,9 +164,15 @@ def qgemm_call(qs, d, s, w, out, rows=None, *, isa=None):
     v.array("s", s, np.float32, (m, kb), align=ELEMENT_ALIGN)
     weight_arrays = _check_weight(w, k)
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
-    n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
-    group0 = n0 // GROUP
     isa = _qgemm_isa(isa, m, w.kind)
-    return qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa), [
-        *(a[group0].ctypes.data for a in weight_arrays), qs.ctypes.data, d.ctypes.data,
-        s.ctypes.data, out.ctypes.data + 4 * n0, m, n1 - n0, kb, w.n]
+    symbol = qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa)
+    weights = [(a.ctypes.data, a.strides[0]) for a in weight_arrays]
+    qs_at, d_at, s_at, out_at = qs.ctypes.data, d.ctypes.data, s.ctypes.data, out.ctypes.data
+    calls = []
+    for rows in ranges:
+        n0, n1 = index_range("rows", rows, w.n, labels=("n0", "n1"), multiple=GROUP, why=" (the row group)")
+        group0 = n0 // GROUP
+        calls.append((symbol, [*(at + group0 * stride for at, stride in weights), qs_at, d_at, s_at,
+                               out_at + 4 * n0, m, n1 - n0, kb, w.n]))
+    return calls
+

@@ -503,7 +503,7 @@ def test_recorded_paged_step_follows_the_indices_in_memory(native, window):
     recorder.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125, out, None, window=window)
     recorder.gather_rows(out.reshape(m, -1), rows, picked)
     recorder.finish()
-    assert [(recorder.plan.records["fn"][op] != 0).sum() for op in range(2)] == [2, 2]   # both split
+    assert all(recorder.plan.records["chunks"][op, 0] >= 2 for op in range(2))   # both split (dynamic chunks)
     records = recorder.plan.records.copy()
 
     with WorkerPool(2) as pool:

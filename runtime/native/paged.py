@@ -21,10 +21,13 @@ checks exactly that (debug runs and tests). The scratch is checked against the m
 any valid row can see (max_blocks * KV_BLOCK, or the window), so valid indices never
 overrun it.
 """
+import functools
+
 import numpy as np
 
 from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, kv_q8_row_bytes
 from .. import buffers
+from .. import library
 from .. import validate as v
 from ._lib import checked_address, index_range, kernel
 
@@ -56,6 +59,17 @@ PACKED_MAX = 2 ** 32                # heads and (n_kv, group) travel as two 32-b
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_tile():
+    """Once: the kernels in the library were built for the scratch layout this binding assumes."""
+    manifest = library.load("avx2").manifest
+    for symbol in ATTENTION_SYMBOLS.values():
+        entry = manifest.get(symbol)
+        if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
+            raise library.KernelLibraryError(f"{symbol} was built with tile {entry['tile']} but the binding "
+                                             f"expects h{MAX_HEADS}: codegen and runtime disagree")
 
 
 def scratch_floats(max_keys):
@@ -162,6 +176,7 @@ def most_keys(tables, window):
 
 def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                          heads=None, window=0):
+    _check_tile()
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
     dtype, row = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)

@@ -22,6 +22,17 @@ PANEL = 16           # weight rows per panel: two ymm of f32 columns
 #    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim]; a sequence's key j
 #    lives in block tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
 KV_BLOCK = 16        # positions per KV block
+# A q8_0 arena (uint8, [n_blocks, n_kv_head, KV_BLOCK, kv_q8_row_bytes(head_dim)]): each row (one
+# position of one KV head) holds head_dim int8 quants, then one f32 scale d per KV_Q8_BLOCK of
+# them; value = d * q (rounded to f32). runtime/ref/paged.py quantizes: d = max|x| / 127,
+# q = rint(x / d) (x times the f32 1/d, nearest even), d = 0 for an all-zero block.
+KV_Q8_BLOCK = 32
+KV_Q8_SCALE_BYTES = 4
+
+
+def kv_q8_row_bytes(head_dim):
+    """Bytes of one q8_0 arena row: the quants, then the f32 scales."""
+    return head_dim + head_dim // KV_Q8_BLOCK * KV_Q8_SCALE_BYTES
 
 # -- plans (runtime/plan.py writes records, codegen/executor.py walks them)
 RECORD_BYTES = 128

@@ -34,12 +34,15 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG,
                             VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
-                            VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH)
+                            VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
+                            VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
+                            VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS)
+from peachpy import Constant
 
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
                         emit_softmax, reduce_to_scalar, reduce_to_scores, row, score_dots)
-from .common import Kernel, function, stream, symbol, tail_mask
-from .contract import KV_BLOCK
+from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
+from .contract import KV_BLOCK, KV_Q8_BLOCK
 
 FAMILY = "paged"
 LOG2_KV_BLOCK = KV_BLOCK.bit_length() - 1
@@ -49,8 +52,15 @@ INDEX = 4                      # bytes of an int32 position, sequence or block i
 # of each stored half, then the same FMAs as f32) and written with VCVTPS2PH (round to
 # nearest even, as numpy's astype): its results are the f32 kernel's on the rounded
 # values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
-ARENA_BYTES = {"f32": 4, "f16": 2}
+# A q8_0 arena (codegen/contract.py) holds rows of head_dim int8 quants then one f32 scale
+# per 32: a K or V chunk of 8 is VPMOVSXBD, VCVTDQ2PS, times its block's scale (the f32
+# value d * q), then the same FMAs as f32. It needs head_dim % 32 == 0.
+ARENA_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
+ARENA_C_TYPES = {"f16": "uint16_t", "q8_0": "uint8_t"}
 ROUND_NEAREST_EVEN = 0
+Q8_CHUNKS = KV_Q8_BLOCK // LANES         # chunks of 8 per scale
+# P V tiles of q8_0 (heads x chunks): one register more for the scale than f32's
+PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
 
 ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
                        ("out", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
@@ -125,14 +135,90 @@ def new_frame(arena):
     frame.scale = LocalVariable(4)
     frame.arena = arena
     frame.half = arena == "f16"
+    frame.q8 = arena == "q8_0"
+    frame.head_dim = LocalVariable(8)
     return frame
 
 
 # ---------------------------------------------------------------- pass 1: scores
 
+def dequantized_chunk(out, quants, scale):
+    """out = the f32 values d * q of 8 int8 quants at ``quants``; ``scale`` a ymm of d."""
+    VPMOVSXBD(out, quants)
+    VCVTDQ2PS(out, out)
+    VMULPS(out, out, scale)
+
+
+def key_dots_q8(heads, keys, frame, k_rows):
+    """key_dots over q8_0 rows: each K chunk dequantized (its scale broadcast), then the f32
+    FMAs in the f32 order. q stays in registers for up to 2 heads; for 3 it is read from
+    memory (12 accumulators, the chunk and its scale fill the registers)."""
+    hd4, kd = gp(), gp()
+    MOV(hd4, frame.hd4)
+    MOV(kd, frame.kd)
+    if keys > 3:
+        kd3 = gp()
+        LEA(kd3, [kd + kd * 2])
+
+    def key_addr(base_lo, base_hi, key):
+        base = base_lo if key < 4 else base_hi
+        index = key % 4
+        if index == 0:
+            return [base]
+        if index == 3:
+            return [base + kd3 * 1]
+        return [base + kd * index]
+
+    accs = [ymms(keys) for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    qd, kp, ks = gp(), gp(), gp()
+    MOV(qd, frame.q_heads)
+    MOV(kp, k_rows)
+    MOV(ks, k_rows)
+    ADD(ks, frame.head_dim)                          # the row's scales
+    kp4 = ks4 = None
+    if keys > 4:
+        kp4, ks4 = gp(), gp()
+        LEA(kp4, [kp + kd * 4])
+        LEA(ks4, [ks + kd * 4])
+    blocks = gp()
+    MOV(blocks, frame.full_chunks)
+    SHR(blocks, 2)
+    in_registers = heads < 3
+    with Loop() as loop:
+        for c in range(Q8_CHUNKS):
+            if in_registers:
+                q = ymms(heads)
+                for h in range(heads):
+                    VMOVUPS(q[h], row(qd, hd4, h, c * CHUNK))
+            for key in range(keys):
+                k, d = YMMRegister(), YMMRegister()
+                VBROADCASTSS(d, key_addr(ks, ks4, key))
+                quants = key_addr(kp, kp4, key)
+                quants[0] = quants[0] + c * LANES
+                dequantized_chunk(k, quants, d)
+                for h in range(heads):
+                    if in_registers:
+                        VFMADD231PS(accs[h][key], q[h], k)
+                    else:
+                        VFMADD231PS(accs[h][key], k, row(qd, hd4, h, c * CHUNK))
+        ADD(qd, Q8_CHUNKS * CHUNK)
+        ADD(kp, KV_Q8_BLOCK)
+        ADD(ks, 4)
+        if kp4 is not None:
+            ADD(kp4, KV_Q8_BLOCK)
+            ADD(ks4, 4)
+        DEC(blocks)
+        JNZ(loop.begin)
+    return accs
+
+
 def key_dots(heads, keys, frame, k_rows):
     """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
     order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
+    if frame.q8:
+        return key_dots_q8(heads, keys, frame, k_rows)
     if not frame.half:
         return score_dots(heads, keys, frame, frame.q_heads, k_rows)
     hd4, kd = gp(), gp()
@@ -273,7 +359,15 @@ def emit_pv_tile(heads, chunks, masked, frame):
         block_row_address(frame, key, frame.v_head, values)
         offset = gp()
         MOV(offset, frame.offset)
-        if frame.half:
+        if frame.q8:
+            SHR(offset, 2)                           # out's f32 columns -> the arena's bytes
+            scales = gp()                            # the tile's first scale from its first quant:
+            MOV(scales, offset)                      # head_dim - quants + quants / 32 * 4
+            SHR(scales, 5)
+            SHL(scales, 2)
+            SUB(scales, offset)
+            ADD(scales, frame.head_dim)
+        elif frame.half:
             SHR(offset, 1)                           # out's f32 columns -> the arena's halves
         ADD(values, offset)
         run_length(key, keys_left, run)
@@ -288,7 +382,15 @@ def emit_pv_tile(heads, chunks, masked, frame):
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
             for c in range(chunks):
-                if frame.half:
+                if frame.q8:
+                    if c % Q8_CHUNKS == 0:
+                        d = YMMRegister()
+                        VBROADCASTSS(d, [values + scales * 1 + c // Q8_CHUNKS * 4])
+                    vm = YMMRegister()
+                    dequantized_chunk(vm, [values + c * LANES], d)
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], vm)
+                elif frame.half:
                     vm = YMMRegister()
                     VCVTPH2PS(vm, [values + c * CHUNK // 2])
                     for h in range(heads):
@@ -340,7 +442,9 @@ def advance_offset(frame, chunks):
 
 
 def emit_pv(heads, frame):
-    tile = PV_CHUNKS[heads]
+    tile = (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
+    # q8_0 (head_dim % 32 == 0) leaves only whole scale blocks after the full tiles
+    narrower = [c for c in range(1, tile) if not frame.q8 or c % Q8_CHUNKS == 0]
     t = gp()
     MOV(frame.kb_first, 0)
     with Loop() as key_blocks:
@@ -369,15 +473,15 @@ def emit_pv(heads, frame):
             JAE(full_tiles.begin)
         remainder = Block()
         with remainder:
-            for chunks in range(1, tile):
-                narrower = Block()
-                with narrower:
+            for chunks in narrower:
+                width = Block()
+                with width:
                     CMP(frame.chunks_left, chunks)
-                    JNE(narrower.end)
+                    JNE(width.end)
                     emit_pv_tile(heads, chunks, False, frame)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
-        if not frame.half:                           # f16: head_dim % 8 == 0, no tail
+        if frame.arena == "f32":                     # f16, q8_0: no tail
             masked = Block()
             with masked:
                 CMP(frame.tail, 0)
@@ -552,7 +656,13 @@ def emit_setup(frame, args):
     MOV(t, head_dim)
     AND(t, LANES - 1)
     MOV(frame.tail, t)
-    LEA(t, [head_dim * ARENA_BYTES[frame.arena]])
+    MOV(frame.head_dim, head_dim)
+    if frame.q8:
+        MOV(t, head_dim)                             # head_dim quants + head_dim / 8 scale bytes
+        SHR(t, 3)
+        ADD(t, head_dim)
+    else:
+        LEA(t, [head_dim * ARENA_BYTES[frame.arena]])
     MOV(frame.kd, t)
     SHL(t, LOG2_KV_BLOCK)
     MOV(frame.kv_stride, t)                          # one KV head of a block
@@ -592,7 +702,8 @@ def typed(signature, arena, names):
     """``signature`` with the arena arguments ``names`` of the arena's C type."""
     if arena == "f32":
         return signature
-    return [(name, ctype.replace("float", "uint16_t") if name in names else ctype) for name, ctype in signature]
+    return [(name, ctype.replace("float", ARENA_C_TYPES[arena]) if name in names else ctype)
+            for name, ctype in signature]
 
 
 # ---------------------------------------------------------------- kv_store_paged, gather_rows
@@ -627,6 +738,52 @@ def convert_row(length, src, dst):
         JNZ(chunks.begin)
 
 
+NOT_EQUAL = 4                       # VCMPPS predicate NEQ_UQ
+
+
+def quantize_row(head_dim, src, dst):
+    """q8_0 row at dst from head_dim floats at src (head_dim % 32 == 0): per block of 32,
+    d = max|x| / 127, q = x * (1 / d) rounded to nearest even (0 where d = 0), quants first,
+    then the f32 scales (codegen/contract.py), as runtime/ref/paged.py quantize_kv_q8."""
+    blocks, from_at, to_at, scale_at = gp(), gp(), gp(), gp()
+    MOV(blocks, head_dim)
+    SHR(blocks, 5)
+    MOV(from_at, src)
+    MOV(to_at, dst)
+    LEA(scale_at, [dst + head_dim * 1])
+    with Loop() as loop:
+        x = ymms(Q8_CHUNKS)
+        for c in range(Q8_CHUNKS):
+            VMOVUPS(x[c], [from_at + c * CHUNK])
+        amax, t = YMMRegister(), YMMRegister()
+        VANDPS(amax, x[0], Constant.uint32x8(0x7FFFFFFF))
+        for c in range(1, Q8_CHUNKS):
+            VANDPS(t, x[c], Constant.uint32x8(0x7FFFFFFF))
+            VMAXPS(amax, amax, t)
+        fold_lanes(VMAXPS, amax)
+        d, inverse, nonzero = amax, YMMRegister(), YMMRegister()
+        VDIVPS(d, amax, Constant.float32x8(127.0))
+        VMOVAPS(inverse, Constant.float32x8(1.0))
+        VDIVPS(inverse, inverse, d)
+        VXORPS(nonzero, nonzero, nonzero)
+        VCMPPS(nonzero, d, nonzero, NOT_EQUAL)
+        VANDPS(inverse, inverse, nonzero)
+        for c in range(Q8_CHUNKS):
+            q, high = x[c], YMMRegister()
+            VMULPS(q, q, inverse)
+            VCVTPS2DQ(q, q)
+            VEXTRACTI128(high.as_xmm, q, 1)
+            VPACKSSDW(q.as_xmm, q.as_xmm, high.as_xmm)
+            VPACKSSWB(q.as_xmm, q.as_xmm, q.as_xmm)
+            VMOVQ([to_at + c * LANES], q.as_xmm)
+        VMOVSS([scale_at], d.as_xmm)
+        ADD(from_at, KV_Q8_BLOCK * FLOAT)
+        ADD(to_at, KV_Q8_BLOCK)
+        ADD(scale_at, 4)
+        DEC(blocks)
+        JNZ(loop.begin)
+
+
 def emit_kv_store_paged(isa, arena_type):
     """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
     block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
@@ -636,15 +793,22 @@ def emit_kv_store_paged(isa, arena_type):
     with fn:
         src, positions, row_seq, tables, arena, m, n_heads, head_dim, n_kv, table_stride = load_all(args)
         saved = SimpleNamespace(**{name: LocalVariable(8) for name in
-                                   ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m")})
+                                   ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m",
+                                    "arena")})
         MOV(saved.tables, tables)
+        MOV(saved.arena, arena)
         MOV(saved.m, m)
         MOV(saved.n_heads, n_heads)
         SHL(table_stride, 2)
         MOV(saved.table_stride4, table_stride)
         hd4, kd, head_stride = gp(), gp(), gp()
         LEA(hd4, [head_dim * FLOAT])
-        LEA(kd, [head_dim * ARENA_BYTES[arena_type]])      # an arena row's bytes
+        if arena_type == "q8_0":                      # an arena row's bytes
+            MOV(kd, head_dim)
+            SHR(kd, 3)
+            ADD(kd, head_dim)
+        else:
+            LEA(kd, [head_dim * ARENA_BYTES[arena_type]])
         MOV(head_stride, kd)
         SHL(head_stride, LOG2_KV_BLOCK)
         MOV(saved.src_stride, n_kv)
@@ -666,12 +830,14 @@ def emit_kv_store_paged(isa, arena_type):
             AND(position, KV_BLOCK - 1)
             IMUL(position, kd)
             ADD(dst, position)
-            ADD(dst, arena)
+            ADD(dst, saved.arena)
             src_head, heads_left = gp(), gp()
             MOV(src_head, src)
             MOV(heads_left, saved.n_heads)
             with Loop() as heads:
-                if arena_type == "f16":
+                if arena_type == "q8_0":
+                    quantize_row(head_dim, src_head, dst)
+                elif arena_type == "f16":
                     convert_row(head_dim, src_head, dst)
                 else:
                     copy_row(head_dim, src_head, dst)

@@ -640,3 +640,145 @@ def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
     ref.kv_store_paged(src, positions, row_seq, tables, expected)
     native.kv_store_paged(src, positions, row_seq, tables, arena)
     np.testing.assert_array_equal(arena, expected)
+
+
+# ---------------------------------------------------------------- q8_0 arenas
+
+def as_q8(arena):
+    """The q8_0 arena of an f32 arena (NaN rows quantize to garbage: never read)."""
+    from llambda.runtime.ref.paged import quantize_kv_q8
+    with np.errstate(invalid="ignore"):
+        return buffers.aligned_copy(quantize_kv_q8(arena))
+
+
+def dequantized(arena, head_dim):
+    from llambda.runtime.ref.paged import dequantize_kv_q8
+    return buffers.aligned_copy(dequantize_kv_q8(arena, head_dim))
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
+    """A q8_0 arena gives exactly the f32 kernel's bits over its dequantized values (d * q),
+    and the reference's result within the f32 tolerance; kv_store_paged quantizes byte for
+    byte as the reference (quantize_kv_q8)."""
+    n_head, n_kv, _, step = draw_step(data, window_too=True)
+    head_dim = data.draw(st.sampled_from([32, 64, 96, 128, 256]), label="head_dim")
+    step.shape = step.shape[:3] + (head_dim,)
+    q, keys, values, scale, _ = draw_values(data, n_head, n_kv, head_dim, step)
+    k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
+    k32, v32 = dequantized(k8, head_dim), dequantized(v8, head_dim)
+    scratch = scratch_for(native, step)
+    got8, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
+    args = (step.positions, step.row_seq, step.tables, scale)
+    native.attention_paged(q, k8, v8, *args, got8, scratch, window=step.window)
+    native.attention_paged(q, k32, v32, *args, got32, scratch, window=step.window)
+    ref.attention_paged(q, k8, v8, *args, want, None, window=step.window)
+    np.testing.assert_array_equal(got8, got32)
+    seen_keys = [k32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
+                 for s, n in enumerate(step.lengths)]
+    seen_values = [v32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
+                   for s, n in enumerate(step.lengths)]
+    atol = tolerance(q, seen_keys, seen_values, step, scale, False, n_head // n_kv)
+    assert (np.abs(got8 - want) <= atol).all()
+
+    m = len(q)
+    src = float_arrays(data.draw, (m, n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    stored, expected = buffers.aligned_copy(k8), k8.copy()
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, stored, heads=heads)
+    ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, expected, heads=heads)
+    np.testing.assert_array_equal(stored, expected)
+
+
+def test_q8_store_edges(native, ref):
+    """An all-zero block (d = 0), a block of one value, ties at .5 after scaling, huge and
+    tiny magnitudes: the reference's bytes."""
+    rng = np.random.default_rng(9)
+    head_dim = 64
+    rows = np.zeros((6, 1, head_dim), np.float32)
+    rows[1, 0, :32] = 3.0
+    rows[2, 0] = np.arange(head_dim) - 31.5                    # x / d lands on halves
+    rows[3, 0] = rng.standard_normal(head_dim) * 1e30
+    rows[4, 0] = rng.standard_normal(head_dim) * 1e-30
+    rows[5, 0] = -127.0 * np.sign(rng.standard_normal(head_dim))
+    src = buffers.aligned_copy(rows)
+    step = Step(rng, 1, head_dim, [6], [(0, p) for p in range(6)])
+    got = buffers.zeros(step.shape[:3] + (72,), np.uint8)
+    want = got.copy()
+    native.kv_store_paged(src, step.positions, step.row_seq, step.tables, got)
+    ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, want)
+    np.testing.assert_array_equal(got, want)
+    assert (got[step.tables[0, 0], 0, 0] == 0).all()           # zeros: quants and d = 0
+
+
+def test_q8_arena_long_context_tolerance(native, ref):
+    """A q8_0 cache against the float64 reference on the unquantized f32 keys and values, 3000
+    keys, SmolLM2's shape. Each element moves by <= d_b / 2 (d_b = max|x| / 127 of its block of
+    32), so a score by <= scale sum_i |q_i| d_b(i) / 2 and out by <= 2 that max|v| + max d_v / 2."""
+    from llambda.runtime.ref.paged import quantize_kv_q8
+    rng = np.random.default_rng(10)
+    n_head, n_kv, head_dim, length = 9, 3, 64, 3000
+    keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
+    rows = [(0, length - 1), (0, 1234), (0, 15)]
+    step = Step(rng, n_kv, head_dim, [length], rows)
+    q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
+    scale = head_dim ** -0.5
+    k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
+    got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
+    native.attention_paged(q, k8, v8, step.positions, step.row_seq, step.tables, scale, got,
+                           scratch_for(native, step))
+    ref.attention_paged(q, step.arena(keys), step.arena(values), step.positions, step.row_seq, step.tables, scale,
+                        want, None)
+    k_step = quantize_kv_q8(keys[0])[..., head_dim:].copy().view(np.float32)      # d per block [n_kv, length, 2]
+    v_step = quantize_kv_q8(values[0])[..., head_dim:].copy().view(np.float32)
+    f32_bound = tolerance(q, keys, values, step, scale, False, n_head // n_kv)
+    for i, (_, p) in enumerate(rows):
+        for h in range(n_head):
+            kv = h // 3
+            d = np.repeat(k_step[kv, :p + 1], 32, axis=-1)                          # [keys, head_dim]
+            score_error = scale * (d / 2 @ np.abs(q[i, h])).max()
+            v_max = np.abs(values[0][kv, :p + 1]).max()
+            bound = 2 * score_error * v_max + v_step[kv, :p + 1].max() / 2 + f32_bound[i, h]
+            assert np.abs(got[i, h] - want[i, h]).max() <= bound
+
+
+def test_q8_ops_touch_nothing_past_their_arrays(native, ref):
+    keep = []
+    rng = np.random.default_rng(11)
+    n_head, n_kv, head_dim, n_blocks = 4, 2, 96, 3
+    tables = i32(rng.permutation(n_blocks)[None])
+    positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
+    shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
+    k8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
+    v8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
+    q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
+    out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
+    want = np.zeros(q.shape)
+    ref.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, want, None)
+    native.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, out,
+                           native.paged_attention_scratch(n_blocks * KV_BLOCK))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
+    arena = before_a_guard_page(np.zeros(k8.shape, np.uint8), keep)
+    expected = np.zeros(k8.shape, np.uint8)
+    ref.kv_store_paged(src, positions, row_seq, tables, expected)
+    native.kv_store_paged(src, positions, row_seq, tables, arena)
+    np.testing.assert_array_equal(arena, expected)
+
+
+def test_q8_arena_rejects_bad_shapes(native):
+    step = Step(np.random.default_rng(12), 1, 48, [4], [(0, 3)])
+    q, out = buffers.zeros((1, 2, 48)), buffers.zeros((1, 2, 48))
+    arena = buffers.zeros(step.shape[:3] + (54,), np.uint8)
+    with pytest.raises(ValueError, match="k_arena: a q8_0 \\(uint8\\) arena needs head_dim % 32 == 0, got head_dim 48"):
+        native.attention_paged(q, arena, arena, step.positions, step.row_seq, step.tables, 1.0, out,
+                               scratch_for(native, step))
+    q, out = buffers.zeros((1, 2, 64)), buffers.zeros((1, 2, 64))
+    wrong = buffers.zeros(step.shape[:3] + (64,), np.uint8)
+    with pytest.raises(ValueError, match="k_arena: rows of 64 bytes, q8_0 rows of q's head_dim 64 have 72"):
+        native.attention_paged(q, wrong, wrong, step.positions, step.row_seq, step.tables, 1.0, out,
+                               scratch_for(native, step))
+    with pytest.raises(ValueError, match="arena: expected shape"):
+        native.kv_store_paged(buffers.zeros((1, 1, 64)), step.positions, step.row_seq, step.tables, wrong)

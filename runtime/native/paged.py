@@ -21,10 +21,13 @@ checks exactly that (debug runs and tests). The scratch is checked against the m
 any valid row can see (max_blocks * KV_BLOCK, or the window), so valid indices never
 overrun it.
 """
+import functools
+
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK
+from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, kv_q8_row_bytes
 from .. import buffers
+from .. import library
 from .. import validate as v
 from ._lib import checked_address, index_range, kernel
 
@@ -33,11 +36,17 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 # Arena dtype -> kernel symbol (the arena's dtype decides the kernel). An f16 arena is
 # stored rounded to nearest even (numpy's astype) and read exactly: its results are the
 # f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
+# A q8_0 arena is uint8 rows of int8 quants and f32 scales (codegen/contract.py
+# kv_q8_row_bytes), quantized on store as runtime/ref/paged.py quantize_kv_q8, read as
+# d * q: the f32 kernel's results on the dequantized values. It needs head_dim % 32 == 0.
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
-                 np.dtype(np.float16): "llb_kv_store_paged_f16__avx2"}
+                 np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
+                 np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
 ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
-                     np.dtype(np.float16): "llb_attention_paged_f16__avx2"}
-HALF_CHUNK = 8
+                     np.dtype(np.float16): "llb_attention_paged_f16__avx2",
+                     np.dtype(np.uint8): "llb_attention_paged_q8_0__avx2"}
+ARENA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "q8_0 (uint8)"}
+HEAD_DIM_MULTIPLE = {np.dtype(np.float16): 8, np.dtype(np.uint8): KV_Q8_BLOCK}
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
 
 # Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
@@ -50,6 +59,17 @@ PACKED_MAX = 2 ** 32                # heads and (n_kv, group) travel as two 32-b
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_tile():
+    """Once: the kernels in the library were built for the scratch layout this binding assumes."""
+    manifest = library.load("avx2").manifest
+    for symbol in ATTENTION_SYMBOLS.values():
+        entry = manifest.get(symbol)
+        if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
+            raise library.KernelLibraryError(f"{symbol} was built with tile {entry['tile']} but the binding "
+                                             f"expects h{MAX_HEADS}: codegen and runtime disagree")
 
 
 def scratch_floats(max_keys):
@@ -65,14 +85,18 @@ def paged_attention_scratch(max_keys):
 
 
 def _arena_dtype(name, arena, symbols, head_dim):
+    """The arena's dtype (it picks the kernel) and the length of its rows."""
     if not isinstance(arena, np.ndarray):
         raise ValueError(f"{name}: expected a numpy array, got {type(arena).__name__}")
     if arena.dtype not in symbols:
-        kinds = " or ".join(str(d) for d in symbols)
+        kinds = ", ".join(ARENA_NAMES[d] for d in symbols)
         raise ValueError(f"{name}: expected dtype {kinds} (an arena type with a kernel), got {arena.dtype}")
-    if arena.dtype == np.float16 and head_dim % HALF_CHUNK:
-        raise ValueError(f"{name}: a float16 arena needs head_dim % {HALF_CHUNK} == 0, got head_dim {head_dim}")
-    return arena.dtype
+    multiple = HEAD_DIM_MULTIPLE.get(arena.dtype, 1)
+    if head_dim % multiple:
+        raise ValueError(f"{name}: a {ARENA_NAMES[arena.dtype]} arena needs head_dim % {multiple} == 0, "
+                         f"got head_dim {head_dim}")
+    row = kv_q8_row_bytes(head_dim) if arena.dtype == np.uint8 else head_dim
+    return arena.dtype, row
 
 
 def _step_indices(positions, row_seq, tables, m):
@@ -111,14 +135,14 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
     src_at = checked_address("src", src, F32, ndim=3)
     m, n_kv, head_dim = src.shape
     positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
-    dtype = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
-    arena_at = checked_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, head_dim), writable=True)
+    dtype, row = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
+    arena_at = checked_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, row), writable=True)
     for name, array in (("src", src), ("positions", positions), ("row_seq", row_seq), ("tables", tables)):
         if np.may_share_memory(array, arena):
             raise ValueError(f"arena: overlaps {name}, which the kernel reads while writing the arena")
     h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
     return STORE_SYMBOLS[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
-                                  arena_at + dtype.itemsize * KV_BLOCK * head_dim * h0,
+                                  arena_at + arena.strides[1] * h0,
                                   m, h1 - h0, head_dim, n_kv, tables.shape[1]]
 
 
@@ -152,16 +176,19 @@ def most_keys(tables, window):
 
 def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                          heads=None, window=0):
+    _check_tile()
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
-    dtype = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
+    dtype, row = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
     k_at = checked_address("k_arena", k_arena, dtype, ndim=4)
-    n_blocks, n_kv, block, k_head_dim = k_arena.shape
+    n_blocks, n_kv, block, k_row = k_arena.shape
     if block != KV_BLOCK:
         raise ValueError(f"k_arena: blocks of {block} rows, expected KV_BLOCK = {KV_BLOCK} "
                          f"(shape [n_blocks, n_kv, {KV_BLOCK}, head_dim], got {k_arena.shape})")
-    if k_head_dim != head_dim:
-        raise ValueError(f"k_arena: head_dim {k_head_dim} differs from q's {head_dim}")
+    if k_row != row:
+        what = f"rows of {k_row} bytes, q8_0 rows of q's head_dim {head_dim} have {row}" if dtype == np.uint8 \
+            else f"head_dim {k_row} differs from q's {head_dim}"
+        raise ValueError(f"k_arena: {what}")
     v_at = checked_address("v_arena", v_arena, dtype, k_arena.shape)
     if n_head % n_kv:
         raise ValueError(f"k_arena: {n_kv} KV heads do not divide q's {n_head} query heads")

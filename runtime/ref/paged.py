@@ -8,13 +8,16 @@ row ``j % KV_BLOCK``. Positions, row_seq and tables are read when the op runs (a
 their addresses), so one recorded plan serves any mix of sequences and positions; the caller
 (llambda/kv_pool.py) guarantees every index is in range.
 
-Arenas are float32 or float16 (stored values rounded to the arena's type).
+Arenas are float32 or float16 (stored values rounded to the arena's type), or q8_0: uint8
+rows of int8 quants and f32 scales (codegen/contract.py ``kv_q8_row_bytes``), quantized by
+``quantize_kv_q8`` on store and read as ``dequantize_kv_q8``.
 """
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK
+from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
+# quantize_kv_q8 / dequantize_kv_q8 are module functions (not ops): the layout's definition.
 
 MAX_HEADS = 3          # query heads sharing a KV head done together (the kernel's tile)
 LANES = 16
@@ -26,6 +29,28 @@ def paged_attention_scratch(max_keys):
     if isinstance(max_keys, bool) or not isinstance(max_keys, (int, np.integer)) or max_keys < 1:
         raise ValueError(f"max_keys: expected a positive integer, got {max_keys!r}")
     return np.zeros(MAX_HEADS * (-(-int(max_keys) // LANES) * LANES), np.float32)
+
+
+def quantize_kv_q8(x):
+    """f32 [..., head_dim] (head_dim % 32 == 0) -> uint8 q8_0 rows [..., kv_q8_row_bytes(head_dim)]:
+    per block of 32, d = max|x| / 127 and q = rint(x * (1 / d)) in float32 (0 where d = 0)."""
+    x = np.asarray(x, np.float32)
+    lead = x.shape[:-1]
+    blocks = x.reshape(lead + (-1, KV_Q8_BLOCK))
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0))
+    q = np.clip(np.rint(blocks * inverse[..., None].astype(np.float32)), -127, 127).astype(np.int8)
+    quants = q.reshape(lead + (-1,)).view(np.uint8)
+    scales = np.ascontiguousarray(d.astype(np.float32)).view(np.uint8).reshape(lead + (-1,))
+    return np.concatenate([quants, scales], axis=-1)
+
+
+def dequantize_kv_q8(rows, head_dim):
+    """uint8 q8_0 rows [..., kv_q8_row_bytes(head_dim)] -> f32 [..., head_dim]: d * q in float32."""
+    rows = np.ascontiguousarray(rows)
+    q = rows[..., :head_dim].view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(rows[..., head_dim:]).view(np.float32)
+    return (q.reshape(q.shape[:-1] + (-1, KV_Q8_BLOCK)) * d[..., None]).reshape(q.shape)
 
 
 def _slot(tables, row_seq, positions, i):
@@ -43,7 +68,10 @@ def kv_store_paged(src, positions, row_seq, tables, arena, heads=None):
     h0, h1 = heads if heads is not None else (0, src.shape[1])
     for i in range(src.shape[0]):
         block, row = _slot(tables, row_seq, positions, i)
-        arena[block, h0:h1, row, :] = src[i, h0:h1, :]
+        if arena.dtype == np.uint8:
+            arena[block, h0:h1, row, :] = quantize_kv_q8(src[i, h0:h1, :])
+        else:
+            arena[block, h0:h1, row, :] = src[i, h0:h1, :]
 
 
 def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
@@ -65,8 +93,10 @@ def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
         rows = keys % KV_BLOCK
         for h in range(h0, h1):
             kv = h // group
-            k = k_arena[blocks, kv, rows].astype(np.float64)
-            v = v_arena[blocks, kv, rows].astype(np.float64)
+            k, v = k_arena[blocks, kv, rows], v_arena[blocks, kv, rows]
+            if k_arena.dtype == np.uint8:
+                k, v = dequantize_kv_q8(k, q.shape[-1]), dequantize_kv_q8(v, q.shape[-1])
+            k, v = k.astype(np.float64), v.astype(np.float64)
             s = scale * (k @ q[i, h].astype(np.float64))
             e = np.exp(s - s.max())
             out[i, h] = (e / e.sum()) @ v

@@ -13,14 +13,14 @@ import numpy as np
 
 from . import generation
 from .engine import Engine
-from .kv_pool import KVPool
+from .kv_pool import KVPool, check_kv_type
 from .errors import UserError
 
 DEFAULT_CTX = 2048
 
 
 def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None, parallel=1,
-         max_waiting=64, kv_cache_mb=None):
+         max_waiting=64, kv_cache_mb=None, kv_type=None):
     """Load a model: a GGUF (converted on first use, then cached), a converted llambda
     file, or the name of a fetchable model (`llambda fetch --list`).
 
@@ -29,10 +29,11 @@ def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, ch
     instead of the file's own template (or of its architecture's format, when it has none).
     parallel: how many sequences generate at once (each step runs all of them); the KV
     cache holds that many full contexts, unless kv_cache_mb bounds it (sequences then wait
-    for room). max_waiting: submissions beyond this many waiting raise EngineBusy."""
+    for room). kv_type: how the cache stores K and V, "f16" (the default), "f32" or "q8_0".
+    max_waiting: submissions beyond this many waiting raise EngineBusy."""
     return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
                  chat_template=chat_template, parallel=parallel, max_waiting=max_waiting,
-                 kv_cache_mb=kv_cache_mb)
+                 kv_cache_mb=kv_cache_mb, kv_type=kv_type)
 
 
 def load_tokenizer(path):
@@ -53,7 +54,7 @@ class Model:
     queue sequences for the engine thread, which runs up to ``parallel`` of them per step."""
 
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
-                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None):
+                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
@@ -85,14 +86,19 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
+        try:
+            kv_type = check_kv_type(kv_type, self.config.head_dim)
+        except ValueError as error:
+            raise UserError(str(error)) from None
         kv_blocks = None
         if kv_cache_mb is not None:
-            kv_blocks = int(kv_cache_mb * 2 ** 20 // KVPool.block_bytes(self.config))
+            block = KVPool.block_bytes(self.config, kv_type)
+            kv_blocks = int(kv_cache_mb * 2 ** 20 // block)
             if kv_blocks < 2:
                 raise UserError(f"kv_cache_mb: {kv_cache_mb} MiB holds no KV block of this model "
-                                f"({KVPool.block_bytes(self.config)} bytes each)")
+                                f"({block} bytes each)")
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
-                                    max_seqs=parallel, kv_blocks=kv_blocks)
+                                    max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type)
         self.parallel = parallel
         self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
         self._cached = []            # token ids whose K/V that sequence holds, in order

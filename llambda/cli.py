@@ -42,6 +42,8 @@ def _add_model_options(p):
                         "default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--threads", type=_positive_int("--threads"), metavar="N", help="worker threads (default: physical cores)")
     p.add_argument("--ctx", type=_positive_int("--ctx"), metavar="N", help="context length: bounds the KV cache (default 2048)")
+    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0"), default=None,
+                   help="how the KV cache stores keys and values (default f16)")
 
 
 def _add_sampling_options(p, max_tokens=128):
@@ -64,7 +66,7 @@ def _sampling_kwargs(args):
 
 def _load(args, **options):
     import llambda
-    return llambda.load(args.model, n_ctx=args.ctx, threads=args.threads, **options)
+    return llambda.load(args.model, n_ctx=args.ctx, threads=args.threads, kv_type=args.kv_type, **options)
 
 
 def _print_stats(model, stats):
@@ -147,7 +149,7 @@ def cmd_serve(args):
     from .server import serve
     return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
-                 log_level=args.log_level, kv_cache_mb=args.kv_cache_mb)
+                 log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type)
 
 
 def cmd_convert(args):

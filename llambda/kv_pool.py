@@ -21,22 +21,50 @@ from collections import OrderedDict
 import numpy as np
 
 from llambda.runtime import buffers
-from llambda.codegen.contract import KV_BLOCK
+from llambda.codegen.contract import KV_BLOCK, KV_Q8_BLOCK, kv_q8_row_bytes
 
 TRASH_BLOCK = 0
+# What a K or V row of the cache is stored as: the attention kernels read each type directly
+# (runtime/ref/paged.py). f16 halves what a decode step reads at long contexts; q8_0 (int8
+# quants, an f32 scale per 32) takes it to about a quarter.
+KV_TYPES = ("f32", "f16", "q8_0")
+DEFAULT_KV_TYPE = "f16"
+
+
+def check_kv_type(kv_type, head_dim):
+    """The KV type to use: ``kv_type`` (None: the default) if head_dim allows it. The default
+    falls back to f32 where head_dim % 8 != 0 (the f16 kernels convert 8 values at a time);
+    asking for a type the head width rules out is an error."""
+    if kv_type is None:
+        return DEFAULT_KV_TYPE if head_dim % 8 == 0 else "f32"
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type: expected one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    need = {"f32": 1, "f16": 8, "q8_0": KV_Q8_BLOCK}[kv_type]
+    if head_dim % need:
+        raise ValueError(f"kv_type: {kv_type} needs head_dim to be a multiple of {need}; this model's is {head_dim}")
+    return kv_type
+
+
+def _row(kv_type, head_dim):
+    """(dtype, trailing row length) of one arena row."""
+    if kv_type == "q8_0":
+        return np.uint8, kv_q8_row_bytes(head_dim)
+    return (np.float16 if kv_type == "f16" else np.float32), head_dim
 
 
 class KVPool:
-    def __init__(self, config, n_blocks, max_tables, max_ctx, dtype=np.float32):
+    def __init__(self, config, n_blocks, max_tables, max_ctx, kv_type="f32"):
         c = config
         if n_blocks < 2:
             raise ValueError(f"n_blocks: the KV pool needs at least 2 blocks, got {n_blocks}")
         self.n_blocks = n_blocks
+        self.kv_type = kv_type = check_kv_type(kv_type, c.head_dim)
         self.max_blocks = -(-max_ctx // KV_BLOCK)           # blocks per sequence at most
-        shape = (n_blocks, c.n_kv_head, KV_BLOCK, c.head_dim)
+        dtype, row = _row(kv_type, c.head_dim)
+        shape = (n_blocks, c.n_kv_head, KV_BLOCK, row)
         self.k = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
         self.v = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
-        self.nbytes = n_blocks * self.block_bytes(c, dtype)
+        self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
         self.pad_table = max_tables
@@ -62,9 +90,10 @@ class KVPool:
         return len(self._free_tables)
 
     @staticmethod
-    def block_bytes(config, dtype=np.float32):
+    def block_bytes(config, kv_type="f32"):
         """Bytes of one block: K and V of KV_BLOCK positions in every layer."""
-        return 2 * config.n_layer * config.n_kv_head * KV_BLOCK * config.head_dim * np.dtype(dtype).itemsize
+        dtype, row = _row(check_kv_type(kv_type, config.head_dim), config.head_dim)
+        return 2 * config.n_layer * config.n_kv_head * KV_BLOCK * row * np.dtype(dtype).itemsize
 
     @staticmethod
     def blocks_for(n_positions):

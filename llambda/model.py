@@ -58,7 +58,7 @@ HEAD_TAG = "lm_head"
 
 class TransformerModel:
     def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None, max_seqs=1,
-                 kv_blocks=None):
+                 kv_blocks=None, kv_type=None):
         c = self.config = config
         self.arch = c.architecture
         self.backend = backend
@@ -96,7 +96,7 @@ class TransformerModel:
         # direct single-sequence path (api.Model.evaluate); pages nobody touches cost no memory
         if kv_blocks is None:
             kv_blocks = (max_seqs + 1) * KVPool.blocks_for(n_ctx) + 1
-        self.kv = KVPool(c, kv_blocks, max_seqs + 1, n_ctx)
+        self.kv = KVPool(c, kv_blocks, max_seqs + 1, n_ctx, kv_type)
         self.att_scratch = backend.paged_attention_scratch(self.kv.max_blocks * KV_BLOCK)
         # RoPE tables per layer: one pair per distinct (base, scale), e.g. Gemma's local and global
         tables = {}

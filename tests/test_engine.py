@@ -227,7 +227,7 @@ def test_a_bounded_kv_cache_makes_sequences_wait_their_turn(tiny):
     run one after another and each still equals its solo run."""
     from llambda.kv_pool import KVPool
     with llambda.load(tiny, n_ctx=64, parallel=4, progress=False) as probe:
-        block = KVPool.block_bytes(probe.config)
+        block = KVPool.block_bytes(probe.config, probe.net.kv.kv_type)
     mb = 6.5 * block / 2 ** 20               # 6 blocks: trash, 5 for sequences of 3 blocks
     with llambda.load(tiny, n_ctx=64, parallel=4, kv_cache_mb=mb, progress=False) as model:
         assert model.net.kv.nbytes <= mb * 2 ** 20 and model.net.kv.n_blocks == 6

@@ -33,7 +33,7 @@ def listen(host, port):
 
 
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
-          grace_s=3.0, log_level="warning", kv_cache_mb=None):
+          grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None):
     try:
         import uvicorn
         from .app import create_app
@@ -44,7 +44,7 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
     import llambda
 
     model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
-                         kv_cache_mb=kv_cache_mb)
+                         kv_cache_mb=kv_cache_mb, kv_type=kv_type)
     try:
         # every step shape's plan now, so that no request's first token waits for one
         model.engine.call(model.net.warm_plans)

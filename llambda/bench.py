@@ -34,10 +34,10 @@ def _random_prompt(vocab, n, seed=0):
     return rng.integers(min(1000, vocab // 4), vocab - 10, n).tolist()
 
 
-def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens, spawned):
+def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens, spawned, kv_type=None):
     import llambda
     t = time.perf_counter()
-    m = llambda.load(model_path, n_ctx=n_ctx, threads=threads, progress=False)
+    m = llambda.load(model_path, n_ctx=n_ctx, threads=threads, progress=False, kv_type=kv_type)
     load_s = time.perf_counter() - t
     int(np.argmax(m.evaluate(m.tokenize(STARTUP_PROMPT))))
     out = dict(load_s=load_s, startup_s=time.time() - spawned)
@@ -94,8 +94,11 @@ def child_main(argv):
     engine, model, gguf, threads, n_ctx, prompt_sizes, gen_tokens, spawned = argv
     threads, n_ctx, gen_tokens = int(threads), int(n_ctx), int(gen_tokens)
     prompt_sizes = [int(n) for n in prompt_sizes.split(",")]
-    measure = _measure_llambda if engine == "llambda" else _measure_llamacpp
-    out = measure(model if engine == "llambda" else gguf, threads, n_ctx, prompt_sizes, gen_tokens, float(spawned))
+    engine, _, kv_type = engine.partition(":")          # "llambda:q8_0": llambda with that KV cache type
+    if engine == "llambda":
+        out = _measure_llambda(model, threads, n_ctx, prompt_sizes, gen_tokens, float(spawned), kv_type or None)
+    else:
+        out = _measure_llamacpp(gguf, threads, n_ctx, prompt_sizes, gen_tokens, float(spawned))
     out["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(out))
 
@@ -204,12 +207,16 @@ SWEEP_CONTEXTS = (128, 512, 1024, 2048, 4096)
 SWEEP_TOKENS = 32
 
 
+SWEEP_KV_TYPES = ("f16", "q8_0", "f32")      # the default first
+
+
 def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
-    """Decode speed as the context grows (attention reads the whole KV cache per token)."""
+    """Decode speed as the context grows (attention reads the whole KV cache per token), for
+    each KV cache type, beside llama.cpp (its default f16 cache, flash attention on)."""
     from . import catalog, convert, default_model
     gguf = default_model.gguf_path() if model is None else catalog.resolve(model)
     model_path = convert.ensure_converted(gguf)
-    engines = ENGINES if _have_llamacpp() else ENGINES[:1]
+    engines = [f"llambda:{t}" for t in SWEEP_KV_TYPES] + (["llama.cpp"] if _have_llamacpp() else [])
     rows = []
     for ctx in SWEEP_CONTEXTS:
         row = dict(context=ctx)
@@ -217,19 +224,18 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
             runs = [_run_child(e, model_path, gguf, threads, ctx + SWEEP_TOKENS + 8, (ctx,), SWEEP_TOKENS)
                     for _ in range(repeats)]
             row[e] = statistics.median(SWEEP_TOKENS / r["decode_s"] for r in runs)
-            row[e + " prefill"] = statistics.median(ctx / r[f"prefill{ctx}_s"] for r in runs)
         rows.append(row)
         print(f"[bench] context {ctx} done", file=sys.stderr, flush=True)
+    short = rows[0]
+    names = [e.replace("llambda:", "llambda ") for e in engines]
     lines = [f"Decode tok/s after a prompt of N tokens ({SWEEP_TOKENS} tokens decoded), {threads} thread(s), "
-             f"median of {repeats}", "",
-             "| context | " + " | ".join(f"{e} decode" for e in engines) + " | "
-             + " | ".join(f"{e} prefill" for e in engines) + (" | decode ratio |" if len(engines) > 1 else " |"),
-             "|" + "---|" * (1 + 2 * len(engines) + (len(engines) > 1))]
+             f"median of {repeats}; (x) = the fraction of the same engine's speed after {short['context']}", "",
+             "| context | " + " | ".join(names) + (" | f16 / llama.cpp |" if "llama.cpp" in engines else " |"),
+             "|" + "---|" * (1 + len(engines) + ("llama.cpp" in engines))]
     for r in rows:
-        line = f"| {r['context']} | " + " | ".join(f"{r[e]:.1f}" for e in engines) + " | " \
-            + " | ".join(f"{r[e + ' prefill']:.1f}" for e in engines)
-        if len(engines) > 1:
-            line += f" | {r['llambda'] / r['llama.cpp']:.2f}x"
+        line = f"| {r['context']} | " + " | ".join(f"{r[e]:.1f} ({r[e] / short[e]:.2f})" for e in engines)
+        if "llama.cpp" in engines:
+            line += f" | {r['llambda:f16'] / r['llama.cpp']:.2f}x"
         lines.append(line + " |")
     print("\n".join(lines), file=out)
     return rows

@@ -8,6 +8,7 @@
 """
 import os
 import time
+import weakref
 
 import numpy as np
 
@@ -101,6 +102,9 @@ class Model:
                                     max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type)
         self.parallel = parallel
         self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
+        # the engine thread holds the network, not this object: a Model nobody holds any more
+        # stops its threads (close() does it at once)
+        weakref.finalize(self, self.engine.close)
         self._cached = []            # token ids whose K/V that sequence holds, in order
         self.load_s = time.perf_counter() - t0
 

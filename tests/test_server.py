@@ -19,7 +19,7 @@ from llambda.synth import write_random_llama
 from server_process import ServerProcess
 
 N_CTX = 256
-LONG_CTX = 4096          # the long server's: a stream of that many tokens outlasts the test's checks
+LONG_CTX = 32768         # the long server's: a stream of that many tokens outlasts the test's checks, even on AVX2
 CLIENT_TIMEOUT_S = 120
 
 

@@ -308,7 +308,7 @@ def make_accumulators(rows, n_panels, lanes):
 
 
 def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None,
-              column_bytes=0, owns_w_panel=False):
+              column_bytes=0, owns_w_panel=False, prefetch=True):
     """One tile: rows x n_panels panels over the call's k block (init, k loop, store), at
     ``column_bytes`` right of out_row; ``masks()`` emits the two ymm lane masks of an edge
     tile; ``owns_w_panel``: advance w_panel itself along k."""
@@ -320,7 +320,7 @@ def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None
     panels = PanelPointers(w_panel, stride, n_panels, owned=owns_w_panel)
     count = GeneralPurposeRegister64()
     src.load_count(count)
-    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch)
+    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch and prefetch)
     outs = RowPointers(out_row, g.ldo, rows)
     emit_store(acc, outs, lanes, column_bytes, masks and masks())
 
@@ -355,24 +355,33 @@ class Globals:
         SHL(self.ldo, 2)
 
 
-def emit_rows(g, args, full_rows, emit_one, a_start=None):
+def emit_rows(g, args, full_rows, emit_one, a_start=None, streams=False):
     """All rows of A against the current column block: ``full_rows``-row tiles, then the
     remainder. ``emit_one(rows, a_row, out_row)`` emits one tile; A from ``a_start``
-    (default g.a)."""
+    (default g.a). ``streams``: the first tile streams the block in from memory and the
+    others find it in L2, so only the first full tile (and the remainder, which is the
+    first when m < full_rows) prefetch: ``emit_one(..., prefetch=...)``."""
     a_row, out_row, m_left = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
     MOV(a_row, g.a if a_start is None else a_start)
     MOV(out_row, g.out)
     LOAD.ARGUMENT(m_left, args["m"])
     rows_done = _label("rows_done")
 
-    full_tiles = Loop(_unique("full_tiles"))
-    CMP(m_left, full_rows)
-    JB(full_tiles.end)
-    with full_tiles:
-        emit_one(full_rows, a_row, out_row)
+    def full_tile(**prefetch):
+        emit_one(full_rows, a_row, out_row, **prefetch)
         advance_rows(a_row, g.lda, full_rows)
         advance_rows(out_row, g.ldo, full_rows)
         SUB(m_left, full_rows)
+
+    full_tiles = Loop(_unique("full_tiles"))
+    CMP(m_left, full_rows)
+    JB(full_tiles.end)
+    if streams:
+        full_tile(prefetch=True)
+        CMP(m_left, full_rows)
+        JB(full_tiles.end)
+    with full_tiles:
+        full_tile(**({"prefetch": False} if streams else {}))
         CMP(m_left, full_rows)
         JAE(full_tiles.begin)
 
@@ -391,7 +400,7 @@ def emit_block(g, args, weight_type, t):
     esize = WEIGHT_BYTES[weight_type]
     src = Source(args, weight_type)
 
-    def emit_one(rows, a_row, out_row):
+    def emit_one(rows, a_row, out_row, prefetch=True):
         per_tile = t.panels[rows]
         for first in range(0, t.block_panels, per_tile):
             w_panel = g.w
@@ -401,9 +410,9 @@ def emit_block(g, args, weight_type, t):
                 IMUL(w_panel, w_panel, first * esize)
                 ADD(w_panel, g.w)
             emit_tile(rows, per_tile, t.lanes, a_row, w_panel, out_row, g, src,
-                      column_bytes=first * NR * 4, owns_w_panel=bool(first))
+                      column_bytes=first * NR * 4, owns_w_panel=bool(first), prefetch=prefetch)
 
-    emit_rows(g, args, t.full_rows, emit_one)
+    emit_rows(g, args, t.full_rows, emit_one, streams=True)
 
 
 def emit_edge_panel(g, args, weight_type):

@@ -147,3 +147,34 @@ def upper_zmm_function(name, signature, isa):
     """``common.function`` for an UpperZmmFunction."""
     arguments = tuple(Argument(C_TYPES[ctype], name=argname) for argname, ctype in signature)
     return UpperZmmFunction(name, arguments, target=ISA_TARGETS[isa]["target"]), arguments
+
+
+class VDPBF16PS(Instruction):
+    """vdpbf16ps zmm1, zmm2, zmm3 (AVX512_BF16): each f32 lane of zmm1 += the two products of
+    the bf16 pairs in the same dword of zmm2 and zmm3 (the odd element's product first).
+
+    The 2021 PeachPy predates AVX512_BF16. Encoding EVEX.512.F3.0F38.W0 52 /r: the register
+    form of VPDPBUSD above but for the prefix (F3: pp = 10) and the opcode. Register operands
+    only (broadcast the activation pair with VPBROADCASTD). The runtime checks the CPU's
+    avx512_bf16 flag before choosing a kernel that uses it."""
+
+    def __init__(self, accumulator, first, second):
+        super().__init__("VDPBF16PS")
+        self.operands = tuple(map(check_operand, (accumulator, first, second)))
+        acc, src1, src2 = self.operands
+        self.in_regs = (True, True, True)
+        self.out_regs = (True, False, False)
+        self.out_operands = (True, False, False)
+        self.avx_mode = True
+        self.isa_extensions = frozenset([peachpy_isa.avx512bw])
+        if not (is_zmm(acc) and is_zmm(src1) and is_zmm(src2)):
+            raise SyntaxError(f"VDPBF16PS: expected zmm, zmm, zmm, got {self.operands}")
+        self.encodings.append((0x00, lambda op: bytearray([
+            0x62,
+            ((op[0].hcode << 7) | (op[2].ehcode << 5) | (op[0].ecode << 4)) ^ 0xF2,
+            0x7E ^ (op[1].hlcode << 3),
+            (op[1].ecode << 3 ^ 0x8) | 0x40,
+            0x52,
+            0xC0 | op[0].lcode << 3 | op[2].lcode])))
+        if peachpy.stream.active_stream is not None:
+            peachpy.stream.active_stream.add_instruction(self)

@@ -9,6 +9,11 @@ blocks, and k blocks that add into out: a thread must run its calls in order).
 only one (decode always does) and refuse the others. ``matmul_nt`` packs its
 weight on every call, so it has no plan form: a plan packs once and uses
 ``gemm_f32_call``.
+
+There is an AVX2 kernel (the baseline) and an AVX-512 one (zmm FMAs) on the same
+weight layout; both sum every output in the same order, so they agree bit for bit
+and the choice (``gemm_isa``: the widest the CPU runs, capped by ``LLAMBDA_ISA``;
+``isa=`` asks for one, as the tests do) never changes a result.
 """
 import functools
 import os

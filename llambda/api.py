@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from . import generation
+from . import generation, inputs, integrity, limits
 from .errors import UserError
 
 DEFAULT_CTX = 2048
@@ -60,7 +60,7 @@ class Model:
             path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
-        self.tokenizer = Tokenizer.from_gguf_metadata(tokenizer_md)
+        self.tokenizer = convert.build_tokenizer(path, tokenizer_md)
         # Ids from n_vocab on have an embedding row but are no token to produce
         self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
         # a chat_formats.ChatTemplate: .name, .text, .builtin
@@ -68,6 +68,7 @@ class Model:
         if n_ctx is None:
             n_ctx = min(self.config.n_ctx_train or DEFAULT_CTX, DEFAULT_CTX)
         self.n_ctx = n_ctx
+        limits.check_context_memory(self.config, n_ctx)      # before the KV cache is allocated
         self.threads = threads
         self.backend = get_backend(backend)
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads)
@@ -86,6 +87,7 @@ class Model:
 
     # -- tokens ---------------------------------------------------------------
     def tokenize(self, text, add_special=True, parse_special=True):
+        inputs.check_text(text, "text")
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids):
@@ -102,7 +104,7 @@ class Model:
         row of the LM head, padding rows past the vocabulary too (``evaluate`` masks those)."""
         ids = self._check_ids(ids)
         self._cached = []
-        out = self.net.forward(ids, 0, all_logits=True)
+        out = integrity.check_logits(self.net.forward(ids, 0, all_logits=True), self.path)
         self._cached = list(ids)
         return out
 
@@ -121,7 +123,7 @@ class Model:
         common = min(_common_prefix(self._cached, ids), len(ids) - 1)   # always run one token at least
         new = self._check_ids(ids[common:])
         self._cached = self._cached[:common]
-        logits = self.net.forward(new, common)
+        logits = integrity.check_logits(self.net.forward(new, common), self.path)
         logits[self.n_vocab:] = -np.inf
         self._cached = ids
         if stats is not None:
@@ -131,7 +133,7 @@ class Model:
         return logits
 
     def _check_ids(self, ids):
-        ids = [int(i) for i in ids]
+        ids = inputs.check_token_ids(ids)
         if not ids:
             raise UserError("the prompt is empty (no tokens)")
         vocab = self.config.vocab_size
@@ -148,6 +150,7 @@ class Model:
                  repeat_penalty=1.0, seed=None, stop=(), truncate=False, stats=None, add_special=True,
                  ignore_eos=False):
         """Yield the text of the continuation of ``prompt`` (a string or a list of token ids)."""
+        prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
         from .sampling import Sampler
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, seed=seed)
@@ -165,6 +168,7 @@ class Model:
         A built-in format leaves BOS out, as llama.cpp's do: chat() tokenizes its text
         with the tokenizer's special tokens. Any other template writes BOS itself.
         extra: more template variables (tools=..., documents=..., ...)."""
+        messages = inputs.check_messages(messages)
         from .chat_formats import FILE_TEMPLATE, hint_for_failed_template
         from .chat_template import render_chat
         template, tok = self.chat_template, self.tokenizer
@@ -228,4 +232,4 @@ def _check_threads(threads):
             raise UserError(f"LLAMBDA_THREADS: expected a positive integer, got {threads!r}") from None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UserError(f"{source}: expected a positive integer, got {threads!r}")
-    return threads
+    return limits.check_thread_count(threads, source)

@@ -29,6 +29,7 @@ import numpy as np
 from llambda.runtime import layouts, paths, weightfile
 from llambda.runtime.layouts import PackedWeight
 
+from . import integrity
 from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
@@ -73,9 +74,44 @@ def convert(gguf_path, out_path=None, progress=True):
         "layouts": packed,
     }
     try:
-        return weightfile.write(out_path, metadata, arrays, progress=progress)
+        written = weightfile.write(out_path, metadata, arrays, progress=progress,
+                                   check=lambda path: _check_loadable(path, gguf_path))
     except OSError as e:
-        raise UserError(f"{out_path}: cannot write ({e.strerror or e})") from None
+        raise UserError(f"{out_path}: cannot write ({e.strerror or e}){_cache_hint(out_path)}") from None
+    integrity.record_verified(written)     # its checksums were computed from these very arrays
+    return written
+
+
+def _check_loadable(written, gguf_path):
+    """Load the file just written (before it gets its name) as a model is loaded: a GGUF
+    whose conversion would not load is refused now, and nothing is cached."""
+    try:
+        _, tokenizer_md, _ = load_model_file(written, verify=False)
+        build_tokenizer(written, tokenizer_md)
+    except UserError as e:
+        problem = str(e).removeprefix(f"{written}: ")
+        raise UserError(f"{gguf_path}: its conversion would not load ({problem}); nothing was written") from None
+
+
+def build_tokenizer(path, tokenizer_md):
+    """The Tokenizer of a model file's metadata; UserError naming the file if it cannot be built."""
+    from .tokenizer import Tokenizer
+    try:
+        return Tokenizer.from_gguf_metadata(tokenizer_md)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise UserError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
+
+
+def _cache_hint(path):
+    """For a file in the cache: which directory, and the variable that moves it."""
+    try:
+        Path(path).resolve().relative_to(paths.cache_dir().resolve())
+    except (ValueError, OSError):
+        return ""
+    return f" (the cache directory is {paths.cache_dir()}; LLAMBDA_CACHE_DIR moves it)"
 
 
 def _read_gguf(path):
@@ -137,6 +173,12 @@ def _check_vocabulary(config, metadata):
 def _check_tensors(config, tensors):
     """Every tensor the architecture needs, each of the shape the config implies; optional
     ones (biases, RoPE factors) of the right shape when present; nothing else."""
+    _check_shapes(config, {name: _shape_nk(tensor) for name, tensor in tensors.items()}, "the GGUF")
+
+
+def _check_shapes(config, shapes, source):
+    """``shapes`` (name -> (n, k) or (n,)) against the config: the GGUF's at conversion, a
+    llambda file's at load (whose header may be forged or damaged)."""
     a = config.architecture
     expected = {name: shape(config) for name, shape in MODEL_TENSORS.items()}
     optional = {}
@@ -147,18 +189,17 @@ def _check_tensors(config, tensors):
         expected[LM_HEAD] = (config.vocab_size, config.dim)
     if a.rope_factors:
         optional.update({name: (config.rope_dim // 2,) for name in ROPE_FACTOR_TENSORS})
-    missing = [name for name in expected if name not in tensors]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise UserError(f"the GGUF lacks tensors the {config.arch} architecture needs: {shown}")
-    unknown = sorted((name for name in tensors if name not in expected and name not in optional),
+        raise UserError(f"{source} lacks tensors the {config.arch} architecture needs: {shown}")
+    unknown = sorted((name for name in shapes if name not in expected and name not in optional),
                      key=_natural_key)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-        raise UserError(f"the GGUF has tensors the {config.arch} architecture does not use: {shown}")
-    for name, tensor in tensors.items():
+        raise UserError(f"{source} has tensors the {config.arch} architecture does not use: {shown}")
+    for name, got in shapes.items():
         want = expected.get(name, optional.get(name))
-        got = _shape_nk(tensor)
         if got != want:
             raise UserError(f"tensor {name} has shape {_fmt_shape(got)}, the config implies {_fmt_shape(want)}")
 
@@ -284,22 +325,41 @@ def _sniff(path):
 
 # ---------------------------------------------------------------- loading
 
-def load_model_file(path):
+def load_model_file(path, verify=True):
     """``(config, tokenizer_metadata, weights)`` from a llambda model file, zero copy.
 
     ``weights`` maps GGUF tensor names to a PackedWeight (matrices) or an f32
-    ndarray (vectors), all views of the read-only mapping.
+    ndarray (vectors), all views of the read-only mapping. ``verify``: check every
+    checksum on the file's first load on this machine (llambda/integrity.py).
     """
     weights_file = _open(path)
+    if verify:
+        integrity.verify_once(weights_file)
     metadata = _model_metadata(weights_file)
     try:
         weights = {name: weights_file[name] for name in metadata["vectors"]}
         for name, entry in metadata["layouts"].items():
             arrays = {array: weights_file[f"{name}/{array}"] for array in entry["arrays"]}
             weights[name] = PackedWeight(entry["kind"], entry["n"], entry["k"], arrays, dict(entry["meta"]))
-    except (KeyError, TypeError) as e:
-        raise UserError(f"{path}: model metadata does not match its tensors ({e!r}): convert it again") from None
-    return ModelConfig.from_dict(metadata["config"]), _tokenizer_of(metadata), weights
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: model metadata does not match its tensors ({e!r:.200}): convert it again") from None
+    config = _config_of(path, metadata)
+    shapes = {name: (w.n, w.k) if isinstance(w, PackedWeight) else tuple(w.shape) for name, w in weights.items()}
+    try:
+        _check_shapes(config, shapes, f"{path}")
+    except UserError as e:
+        raise UserError(f"{e} (the header disagrees with its tensor table: convert the GGUF again)") from None
+    return config, _tokenizer_of(metadata, path), weights
+
+
+def _config_of(path, metadata):
+    try:
+        return ModelConfig.from_dict(metadata["config"])
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise UserError(f"{path}: model config is not valid ({type(e).__name__}: {e!s:.200}): "
+                        "convert the GGUF again") from None
 
 
 def tokenizer_metadata(path):
@@ -310,7 +370,7 @@ def tokenizer_metadata(path):
     if kind == "gguf":
         return GGUFFile(path).metadata(_is_tokenizer_key)
     if kind == "llambda":
-        return _tokenizer_of(_model_metadata(_open(path)))
+        return _tokenizer_of(_model_metadata(_open(path)), path)
     raise UserError(f"{path}: neither a GGUF nor a llambda model file")
 
 
@@ -323,10 +383,12 @@ def _is_tokenizer_key(key):
     return key.startswith("tokenizer.") or key in _TOKENIZER_HINTS
 
 
-def _tokenizer_of(metadata):
-    tokenizer = dict(metadata["tokenizer"])
-    tokenizer.update({key: metadata["gguf"][key] for key in _TOKENIZER_HINTS
-                      if key in metadata.get("gguf", {})})
+def _tokenizer_of(metadata, path=None):
+    tokenizer, gguf = metadata["tokenizer"], metadata.get("gguf", {})
+    if not isinstance(tokenizer, dict) or not isinstance(gguf, dict):
+        raise UserError(f"{path}: model metadata 'tokenizer' and 'gguf' must be mappings: convert the GGUF again")
+    tokenizer = dict(tokenizer)
+    tokenizer.update({key: gguf[key] for key in _TOKENIZER_HINTS if key in gguf})
     return tokenizer
 
 
@@ -352,7 +414,7 @@ def _model_metadata(weights_file):
 
 def verify(path, progress=False):
     """Check the model metadata and every tensor's checksum; UserError names what is wrong."""
-    load_model_file(path)
+    load_model_file(path, verify=False)
     try:
         _open(path).verify(progress=progress)
     except weightfile.WeightFileError as e:
@@ -365,7 +427,7 @@ def info(path):
     """A human-readable summary: source, config, tokenizer, tensor table."""
     weights_file = _open(path)
     metadata = _model_metadata(weights_file)
-    config = ModelConfig.from_dict(metadata["config"])
+    config = _config_of(path, metadata)
     lines = [f"file       {weights_file.path} ({_mib(weights_file.file_size)})",
              f"source     {metadata.get('source', {}).get('file', '?')}"
              f" ({metadata.get('gguf', {}).get('general.name', 'unnamed')})"]

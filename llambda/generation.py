@@ -76,7 +76,8 @@ def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None, ignor
     history = list(prompt_ids)
     decoder = tok.streaming_decoder()
     stopper = StopStrings(stops)
-    stats.stop_reason = "max_tokens"
+    # until a rule below ends the loop: left by Ctrl-C or by the caller's close(), it stays
+    stats.stop_reason = "interrupted"
     t_decode = None
     for i in range(max_tokens):
         token = sampler.sample(logits, history)
@@ -96,11 +97,14 @@ def generate(model, prompt_ids, sampler, max_tokens, stops=(), stats=None, ignor
             stats.stop_reason = "stop_string"
             break
         if i + 1 == max_tokens:
+            stats.stop_reason = "max_tokens"
             break
         if model.position >= model.n_ctx:
             stats.stop_reason = "context_full"
             break
         logits = model.evaluate(history, stats=None)
+    else:
+        stats.stop_reason = "max_tokens"      # max_tokens == 0
     if t_decode is not None:
         stats.decode_s = time.perf_counter() - t_decode
     if not stopper.hit:

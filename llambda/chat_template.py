@@ -86,6 +86,9 @@ def _compiled(template, name):
     except (RecursionError, MemoryError) as error:
         raise UserError(f"chat template {name}: does not parse: {type(error).__name__} "
                         "(nested too deeply or too large)") from None
+    except SyntaxError as error:     # Jinja compiles to Python, which refuses e.g. a stray {% break %}
+        raise UserError(f"chat template {name}: does not parse: {error.msg} (line {error.lineno} "
+                        "of the compiled template)") from None
 
 
 def _describe(error):

@@ -18,8 +18,10 @@ one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
 Loading maps the file and rebuilds each PackedWeight around the mapped
 arrays: no copy, no conversion.
 """
+import dataclasses
 import hashlib
 import inspect
+import math
 import re
 import sys
 from pathlib import Path
@@ -91,6 +93,27 @@ def _check_loadable(written, gguf_path):
     except UserError as e:
         problem = str(e).removeprefix(f"{written}: ")
         raise UserError(f"{gguf_path}: its conversion would not load ({problem}); nothing was written") from None
+
+
+# What each ModelConfig annotation accepts from a file's JSON header (bool is no number there).
+_JSON_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,), tuple: (list, tuple)}
+
+
+def _check_config_types(values):
+    if not isinstance(values, dict):
+        raise UserError("model config is not a mapping")
+    for field in dataclasses.fields(ModelConfig):
+        if field.name not in values:
+            continue            # from_dict names what is missing
+        value, accepted = values[field.name], _JSON_TYPES.get(field.type, (object,))
+        numeric = field.type in (int, float)
+        if not isinstance(value, accepted) or (numeric and isinstance(value, bool)):
+            raise UserError(f"model config: {field.name} = {value!r:.40} is not a {field.type.__name__}")
+        if field.type is float and not math.isfinite(value):
+            raise UserError(f"model config: {field.name} = {value!r} is not finite")
+        if field.type is tuple and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and math.isfinite(v) for v in value):
+            raise UserError(f"model config: {field.name} holds something that is not a finite number")
 
 
 def build_tokenizer(path, tokenizer_md):
@@ -300,7 +323,7 @@ def ensure_converted(path, progress=True):
     target = paths.cache_dir() / "converted" / f"{path.stem}-{_cache_key(path)}{SUFFIX}"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    paths.cache_subdir("converted")
     if progress:
         print(f"llambda: converting {path} on first use (cached as {target})", file=sys.stderr)
     return convert(path, target, progress=progress)
@@ -354,7 +377,11 @@ def load_model_file(path, verify=True):
 
 def _config_of(path, metadata):
     try:
-        return ModelConfig.from_dict(metadata["config"])
+        values = metadata["config"]
+        _check_config_types(values)
+        config = ModelConfig.from_dict(values)
+        config.check()
+        return config
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -409,7 +436,37 @@ def _model_metadata(weights_file):
     for key in ("config", "tokenizer", "vectors", "layouts"):
         if key not in metadata:
             raise UserError(f"{weights_file.path}: model metadata lacks {key!r}: convert the GGUF again")
+    problem = _metadata_shape_problem(metadata)
+    if problem:
+        raise UserError(f"{weights_file.path}: model metadata {problem}: convert the GGUF again")
     return metadata
+
+
+def _metadata_shape_problem(metadata):
+    """What is wrong with the JSON shapes of the model metadata, or None (a forged or
+    damaged header otherwise fails later, far from its cause)."""
+    vectors, layouts_, tokenizer = metadata["vectors"], metadata["layouts"], metadata["tokenizer"]
+    if not isinstance(vectors, list) or not all(isinstance(v, str) for v in vectors):
+        return "'vectors' is not a list of tensor names"
+    if not isinstance(layouts_, dict):
+        return "'layouts' is not a mapping"
+    for name, entry in layouts_.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str)
+                and all(_is_count(entry.get(key)) for key in ("n", "k"))
+                and isinstance(entry.get("meta"), dict) and isinstance(entry.get("arrays"), list)
+                and all(isinstance(a, str) for a in entry["arrays"])):
+            return f"layout of {name!r} is not {{kind, n, k, meta, arrays}}"
+    if not isinstance(tokenizer, dict):
+        return "'tokenizer' is not a mapping"
+    if not isinstance(tokenizer.get("tokenizer.chat_template", ""), str):
+        return "tokenizer.chat_template is not a string"
+    if not isinstance(metadata.get("gguf", {}), dict) or not isinstance(metadata.get("source", {}), dict):
+        return "'gguf' or 'source' is not a mapping"
+    return None
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(path, progress=False):
@@ -425,6 +482,7 @@ def verify(path, progress=False):
 
 def info(path):
     """A human-readable summary: source, config, tokenizer, tensor table."""
+    load_model_file(path, verify=False)        # every structural check a load makes
     weights_file = _open(path)
     metadata = _model_metadata(weights_file)
     config = _config_of(path, metadata)

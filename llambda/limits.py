@@ -22,18 +22,19 @@ def usable_cpus():
         return os.cpu_count() or 1
 
 
-def check_thread_count(threads, source="--threads", warn=sys.stderr):
+def check_thread_count(threads, source="--threads", warn=None):
     """``threads`` if it is sane for this machine; a warning on ``warn`` when it exceeds the
-    usable CPUs, a UserError when it exceeds them MAX_THREADS_PER_CPU times."""
+    usable CPUs (``warn``: a file, default stderr), a UserError when it exceeds them
+    MAX_THREADS_PER_CPU times."""
     if threads is None:
         return None
     cpus = usable_cpus()
     if threads > MAX_THREADS_PER_CPU * cpus:
         raise UserError(f"{source}: {threads} worker threads for {cpus} usable CPU{'s' * (cpus != 1)} "
                         f"(at most {MAX_THREADS_PER_CPU * cpus}; more threads than CPUs only slow decoding)")
-    if threads > cpus and warn is not None:
+    if threads > cpus:
         print(f"llambda: warning: {source} {threads} is more than the {cpus} CPU{'s' * (cpus != 1)} this "
-              "process may use: the threads will share them and decode slowly", file=warn)
+              "process may use: the threads will share them and decode slowly", file=warn or sys.stderr)
     return threads
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic
+from . import atomic, faults
 
 MAGIC = b"LLAMBDA\0"
 GGUF_MAGIC = b"GGUF"
@@ -230,7 +230,9 @@ def _map(path):
             size = os.fstat(f.fileno()).st_size
             start = f.read(_PREFIX.size)
             _check_prefix(path, start, size)
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        faults.guard(mapping, path)       # a SIGBUS in it (file changed under it) names the file
+        return mapping
     except FileNotFoundError:
         raise WeightFileError(path, "no such file") from None
     except IsADirectoryError:

@@ -55,6 +55,7 @@ def convert(gguf_path, out_path=None, progress=True):
     gguf_tensors = {t.name: t for t in gguf_file.tensors}
     _check_tensor_types(gguf_tensors)
     gguf_metadata = gguf_file.metadata()
+    _check_layer_count(gguf_metadata, gguf_tensors)
     embedding = gguf_tensors.get("token_embd.weight")
     config = ModelConfig.from_gguf_metadata(
         gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
@@ -156,6 +157,16 @@ def _check_tensor_types(tensors):
                             f"(supported: {', '.join(supported)})")
 
 
+def _check_layer_count(metadata, tensors):
+    """A layer count the tensor table cannot hold is refused before per-layer tables of that
+    length are built (a damaged block_count of 2**32 - 1 would fill the memory)."""
+    arch = metadata.get("general.architecture")
+    n_layer = metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
+    if isinstance(n_layer, int) and n_layer > len(tensors):
+        raise UserError(f"GGUF metadata {arch}.block_count = {n_layer}, but the file holds only "
+                        f"{len(tensors)} tensors (each layer needs several)")
+
+
 class _Rows:
     """Rows [start, stop) of a GGUF tensor: one part of a fused one (each row of every GGUF
     type is encoded on its own, so a slice of rows is exactly that part's tensor)."""
@@ -202,6 +213,8 @@ def _check_tensors(config, tensors):
 def _check_shapes(config, shapes, source):
     """``shapes`` (name -> (n, k) or (n,)) against the config: the GGUF's at conversion, a
     llambda file's at load (whose header may be forged or damaged)."""
+    if config.n_layer > len(shapes):        # before building name tables of that length
+        raise UserError(f"{source} lacks tensors for {config.n_layer} layers: it has {len(shapes)} tensors in all")
     a = config.architecture
     expected = {name: shape(config) for name, shape in MODEL_TENSORS.items()}
     optional = {}

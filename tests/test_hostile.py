@@ -302,7 +302,11 @@ def test_a_context_too_large_for_memory_is_refused_with_the_figure(tiny_llb):
 def test_a_forged_header_whose_config_disagrees_with_its_tensors(tiny_llb, tmp_path):
     w = weightfile.open_weights(tiny_llb)
     metadata = dict(w.metadata)
-    metadata["config"] = dict(metadata["config"], n_layer=metadata["config"]["n_layer"] + 1)
+    config = dict(metadata["config"])
+    config["n_layer"] += 1                          # a consistent config, tensors missing
+    for key in ("layer_window", "layer_rope_base", "layer_rope_scale"):
+        config[key] = list(config[key]) + [config[key][-1]]
+    metadata["config"] = config
     forged = weightfile.write(tmp_path / "forged.llb", metadata, {name: np.array(w[name]) for name in w})
     with pytest.raises(UserError, match="lacks tensors") as error:
         llambda.load(forged, progress=False)

@@ -86,10 +86,14 @@ def gguf_fields(data):
         pos = 24
         for _ in range(min(n_kv, 10000)):
             fields.append((pos, 8, "key length"))
-            pos += 8 + _U64.unpack_from(data, pos)[0]
+            length = _U64.unpack_from(data, pos)[0]
+            key = bytes(data[pos + 8:pos + 8 + min(length, 200)]).decode("utf-8", "replace")
+            pos += 8 + length
             fields.append((pos, 4, "value type"))
             value_type = _U32.unpack_from(data, pos)[0]
             pos += 4
+            if value_type in _SCALAR_SIZES:         # the value itself: head counts, lengths, ids, eps...
+                fields.append((pos, _SCALAR_SIZES[value_type], f"value of {key}"))
             pos = _skip_value(data, pos, value_type, fields)
         for _ in range(min(n_tensors, 10000)):
             fields.append((pos, 8, "tensor name length"))
@@ -103,6 +107,7 @@ def gguf_fields(data):
             fields.append((pos, 4, "tensor type"))
             fields.append((pos + 4, 8, "tensor offset"))
             pos += 12
+        fields.append((pos, 0, "tensor data"))     # where the tables end
     except struct.error:
         pass
     return [f for f in fields if f[0] + f[1] <= len(data)]
@@ -138,17 +143,34 @@ _EDGE = (0, 1, 2, 3, 7, 8, 9, 12, 13, 31, 32, 33, 255, 256, 1023, 4096, 65535, 2
 def mutate_gguf(data, rng):
     data = bytearray(data)
     fields = gguf_fields(data)
+    data_start = next((offset for offset, _, what in fields if what == "tensor data"), None)
+    fields = [f for f in fields if f[1]]
+    values = [f for f in fields if f[2].startswith("value of")]
     description = []
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
         choice = rng.random()
-        if choice < 0.6 and fields:
+        if choice < 0.3 and values:         # a metadata value: the file stays well formed
+            offset, size, what = rng.choice(values)
+            old = bytes(data[offset:offset + size])
+            new = rng.choice((bytes(size), b"\xff" * size, rng.randbytes(size),
+                              (int.from_bytes(old, "little") + rng.choice((1, -1, 2))).to_bytes(size, "little", signed=False)
+                              if int.from_bytes(old, "little") > 1 else rng.randbytes(size),
+                              b"\x00\x00\xc0\x7f"[:size] if size == 4 else rng.randbytes(size)))
+            data[offset:offset + size] = new
+            description.append(f"{what} at {offset}: {old.hex()} -> {new.hex()}")
+        elif choice < 0.45 and data_start is not None and data_start < len(data):    # tensor bytes
+            for _ in range(rng.randint(1, 32)):
+                at = rng.randrange(data_start, len(data))
+                data[at] = rng.choice((0xFF, 0x7F, 0x00, data[at] ^ (1 << rng.randrange(8))))
+            description.append("tensor bytes changed")
+        elif choice < 0.75 and fields:
             offset, size, what = rng.choice(fields)
             old = int.from_bytes(data[offset:offset + size], "little")
             value = rng.choice((rng.choice(_EDGE), old + rng.choice((-1, 1, 2, -2, 16)), rng.getrandbits(size * 8)))
             value %= 1 << (size * 8)
             data[offset:offset + size] = value.to_bytes(size, "little")
             description.append(f"{what} at {offset}: {old} -> {value}")
-        elif choice < 0.8:
+        elif choice < 0.9:
             for _ in range(rng.randint(1, 8)):
                 at = rng.randrange(len(data)) if rng.random() < 0.5 else rng.randrange(min(len(data), 65536))
                 data[at] ^= 1 << rng.randrange(8)
@@ -197,7 +219,10 @@ def mutate_llb(data, rng):
     if choice < 0.7:
         header, length = read_llb_header(data)
         for _ in range(rng.choice((1, 1, 2))):
-            description.append(_edit_header(header, rng))
+            try:
+                description.append(_edit_header(header, rng))
+            except (TypeError, KeyError, AttributeError, IndexError, ValueError):
+                description.append("an edit that did not apply (the header was already odd)")
         return write_llb_header(data, header, length, fix_crc=rng.random() < 0.9), "; ".join(description)
     data = bytearray(data)
     if choice < 0.85:
@@ -299,12 +324,12 @@ def random_text(rng):
             pieces.append("".join(chr(rng.randrange(32, 127)) for _ in range(rng.randint(1, 20))))
         elif kind < 0.5:
             pieces.append("".join(chr(rng.randrange(0x80, 0x3000)) for _ in range(rng.randint(1, 5))))
-        elif kind < 0.6:
+        elif kind < 0.53:
             pieces.append(chr(rng.choice((0xD800, 0xDFFF, 0xDC80, 0xDCFF, 0xFFFE, 0x10FFFF, 0, 0xFEFF))))
         elif kind < 0.7:
             pieces.append(rng.choice(("<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|endoftext|>", "\n\n",
                                       "   ", "\t", "▁", "Ġ", "<0x0A>", "[PAD5]")))
-        elif kind < 0.8:
+        elif kind < 0.73:
             pieces.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 12)))
                           .decode("utf-8", "surrogateescape"))
         else:
@@ -466,6 +491,7 @@ def _seed_tokenizer():
 
 
 SEEDS = None
+STEP_COUNTS = {}            # "kind:step:ok|error" -> how often, over the passing cases
 
 
 def run_case_isolated(case, timeout=CASE_SECONDS):
@@ -565,6 +591,10 @@ def campaign(seed=0, cases=None, minutes=None, folder="fuzz-failures", workdir=N
             index += 1
             ok, report = run_case_isolated(case, timeout=timeout)
             tried += 1
+            if ok:
+                for step, outcome in json.loads(report):
+                    key = f"{case.kind}:{step}:{'ok' if outcome == 'ok' else 'error'}"
+                    STEP_COUNTS[key] = STEP_COUNTS.get(key, 0) + 1
             if not ok:
                 failures.append((case, report))
                 where = save_failure(case, report, folder) if folder else None
@@ -624,6 +654,7 @@ def main(argv=None):
     print(f"fuzzing with seed {args.seed}", file=sys.stderr)
     tried, failures = campaign(seed=args.seed, cases=args.cases, minutes=args.minutes, folder=args.out,
                                timeout=args.timeout)
+    print("steps reached: " + ", ".join(f"{key} {n}" for key, n in sorted(STEP_COUNTS.items())), file=sys.stderr)
     print(f"{tried} cases tried, {len(failures)} failures (seed {args.seed})"
           + (f"; cases in {args.out}/" if failures else ""))
     return 1 if failures else 0

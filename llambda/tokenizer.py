@@ -20,9 +20,7 @@ this module decides what each call gets to see.
 """
 import codecs
 import hashlib
-import os
 import re
-import tempfile
 from enum import IntEnum
 
 import numpy as np
@@ -31,6 +29,7 @@ from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import models, pre_tokenizers
 
 from llambda.errors import UserError
+from llambda.runtime import atomic
 from llambda.inputs import check_text
 
 
@@ -346,9 +345,8 @@ def _store_cached_pairs(key, pairs):
     path = _merge_cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        with atomic.create(path) as f:          # nothing left behind if killed meanwhile
             np.save(f, pairs, allow_pickle=False)
-        os.replace(f.name, path)
     except OSError:
         pass
 

@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CASE_SECONDS = 60            # a case taking longer is a hang
 CASE_MEMORY = 6 << 30        # address space of a case's process (RLIMIT_AS)
-KINDS = ("gguf", "llb", "text", "template")
+KINDS = ("gguf", "llb", "text", "template", "cli")
 
 
 # ---------------------------------------------------------------- seeds: the files mutated
@@ -459,6 +459,10 @@ def run_steps(case, workdir):
             bad = [rng.choice((0, 1, -1, tokenizer.vocab_size - 1, tokenizer.vocab_size, 10**12, rng.randrange(300)))
                    for _ in range(rng.randint(0, 6))]
             step("decode ids", lambda: tokenizer.decode(bad))
+    elif case.kind == "cli":
+        for _ in range(3):
+            argv = random_command(rng, SEEDS[1][0])
+            step(f"cli {' '.join(argv)[:200]}", lambda: _run_cli(argv, workdir))
     else:
         from llambda.chat_template import render_chat
         for _ in range(5):
@@ -466,6 +470,47 @@ def run_steps(case, workdir):
             step("render", lambda: render_chat(template, random_messages(rng), name="fuzz",
                                                add_generation_prompt=rng.random() < 0.5))
     return outcomes
+
+
+_NUMBERS = ("0", "1", "-1", "2", "0.5", "nan", "inf", "-inf", "1e308", "-1e-308", "2147483648",
+            "99999999999999999999", "", "x", "1.5", "0x10", "  3 ")
+
+
+def random_command(rng, model):
+    """A random ``llambda run`` command line on ``model``: option values at their edges."""
+    argv = ["run", "--model", str(model), "--max-tokens", rng.choice(("1", "2", "0", "-1", "3"))]
+    for option in rng.sample(("--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
+                              "--ctx", "--threads", "--stop", "--prompt", "--max-tokens"), rng.randint(0, 4)):
+        if option == "--prompt":
+            argv += [option, random_text(rng) or "x"]
+        elif option == "--stop":
+            argv += [option, rng.choice(("", "a", " ", random_text(rng) or "z"))]
+        elif option in ("--threads", "--ctx") and rng.random() < 0.7:
+            argv += [option, rng.choice(("1", "2", "3", "4"))]
+        else:
+            argv += [option, rng.choice(_NUMBERS)]
+    argv += rng.sample(["--json", "--echo", "--truncate", "--ignore-eos"], rng.randint(0, 2))
+    return argv
+
+
+def _run_cli(argv, workdir):
+    """``llambda ARGV`` in this process; a CLI error must be one line on stderr (argparse's
+    usage message for a malformed command line is its own standard form)."""
+    import io
+    from llambda import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = cli.main(argv)
+        except SystemExit as e:         # argparse: usage + one error line, status 2
+            if e.code == 2 and err.getvalue().startswith("usage:"):
+                return "usage"
+            raise AssertionError(f"SystemExit {e.code}: {err.getvalue()[-2000:]}") from None
+    lines = [line for line in err.getvalue().splitlines()
+             if line.strip() and not line.startswith(("[llambda]", "llambda: warning"))]
+    if status not in (0, 2) or len(lines) > 1 or "Traceback" in err.getvalue():
+        raise AssertionError(f"status {status}, stderr:\n{err.getvalue()[-3000:]}")
+    return status
 
 
 def _load(path):
@@ -593,7 +638,7 @@ def campaign(seed=0, cases=None, minutes=None, folder="fuzz-failures", workdir=N
             tried += 1
             if ok:
                 for step, outcome in json.loads(report):
-                    key = f"{case.kind}:{step}:{'ok' if outcome == 'ok' else 'error'}"
+                    key = f"{case.kind}:{step.split()[0]}:{'ok' if outcome == 'ok' else 'error'}"
                     STEP_COUNTS[key] = STEP_COUNTS.get(key, 0) + 1
             if not ok:
                 failures.append((case, report))

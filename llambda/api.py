@@ -37,8 +37,7 @@ def load_tokenizer(path):
         text = tok.decode(ids)
     """
     from . import convert
-    from .tokenizer import Tokenizer
-    return Tokenizer.from_gguf_metadata(convert.tokenizer_metadata(path))
+    return convert.build_tokenizer(path, convert.tokenizer_metadata(path))
 
 
 class Model:
@@ -47,7 +46,6 @@ class Model:
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
-        from .tokenizer import Tokenizer
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")

@@ -79,7 +79,8 @@ def cmd_run(args):
             raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start})") from None
     else:
         prompt = inputs.check_text(args.prompt, "--prompt")
-    inputs.check_stop([inputs.check_text(s, "--stop") for s in args.stop])
+    for stop in args.stop:
+        inputs.check_text(stop, "--stop")
     model = _load(args)
     stats = Stats()
     pieces = model.generate(prompt, truncate=args.truncate, stats=stats, **_sampling_kwargs(args))

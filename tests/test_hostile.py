@@ -412,3 +412,67 @@ def test_an_interrupted_reply_says_so_in_its_stats(tiny_model):
     stats = generation.Stats()
     list(tiny_model.generate([1, 2, 3], max_tokens=3, ignore_eos=True, temperature=0, stats=stats))
     assert stats.stop_reason == "max_tokens"
+
+
+# ---------------------------------------------------------------- found by the fuzz campaign
+
+@pytest.mark.parametrize("temperature, penalty", [(1e-308, 1.0), (0.8, 1e308), (5e-324, 1e300)])
+def test_sampling_at_extreme_settings_warns_of_nothing(temperature, penalty):
+    import warnings
+    from llambda.sampling import Sampler
+    logits = np.random.default_rng(0).standard_normal(500).astype(np.float32) * 10
+    for filters in ({}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            token = Sampler(temperature=temperature, repeat_penalty=penalty, seed=1, **filters).sample(
+                logits, [1, 2, 3])
+        assert 0 <= token < logits.size
+
+
+def test_a_stray_break_in_a_template_is_one_line():
+    with pytest.raises(UserError, match="does not parse") as error:
+        render_chat("{% if messages %}{% break %}{% endif %}", [{"role": "user", "content": "hi"}], name="t.jinja")
+    assert "t.jinja" in one_line(str(error.value))
+
+
+def test_a_gguf_length_past_any_file_is_one_line(tiny_gguf, tmp_path):
+    data = bytearray(tiny_gguf.read_bytes())
+    data[24:32] = (2**64 - 1).to_bytes(8, "little")       # the first key's length
+    bad = tmp_path / "long.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="damaged or truncated GGUF") as error:
+        convert.convert(bad, tmp_path / "long.llb", progress=False)
+    one_line(str(error.value))
+
+
+def test_a_block_count_past_the_tensor_table_is_refused_before_allocating(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", tiny_tensors())
+    data = bytearray(path.read_bytes())
+    key = b"llama.block_count"
+    offset = data.index(key) + len(key) + 4             # past the key and its value type: the u32
+    data[offset:offset + 4] = (2**32 - 1).to_bytes(4, "little")
+    (tmp_path / "n.gguf").write_bytes(bytes(data))
+    with pytest.raises(UserError, match="block_count = 4294967295"):
+        convert.convert(tmp_path / "n.gguf", tmp_path / "n.llb", progress=False)
+
+
+@pytest.mark.parametrize("key, value", [("n_layer", 0.1), ("layer_rope_scale", None), ("rms_eps", "x"),
+                                        ("n_head", True)])
+def test_config_values_of_the_wrong_type_are_one_line(tiny_llb, tmp_path, key, value):
+    w = weightfile.open_weights(tiny_llb)
+    metadata = dict(w.metadata, config=dict(w.metadata["config"], **{key: value}))
+    forged = weightfile.write(tmp_path / "f.llb", metadata, {name: np.array(w[name]) for name in w})
+    for call in (lambda: convert.info(forged), lambda: convert.verify(forged),
+                 lambda: llambda.load(forged, progress=False)):
+        with pytest.raises(UserError, match=f"model config: {key}") as error:
+            call()
+        one_line(str(error.value))
+
+
+@pytest.mark.parametrize("edit", [{"vectors": 1.5}, {"layouts": []}, {"layouts": "x"}])
+def test_metadata_of_the_wrong_shape_is_one_line(tiny_llb, tmp_path, edit):
+    w = weightfile.open_weights(tiny_llb)
+    forged = weightfile.write(tmp_path / "f.llb", dict(w.metadata, **edit), {name: np.array(w[name]) for name in w})
+    with pytest.raises(UserError, match="model metadata") as error:
+        convert.info(forged)
+    one_line(str(error.value))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-CASES = 48           # a fixed number, seeded: every kind of case (gguf, llb, text, template) 12 times
+CASES = 50           # a fixed number, seeded: each kind (gguf, llb, text, template, cli) 10 times
 SEED = 20261201
 
 _spec = importlib.util.spec_from_file_location("llambda_fuzz", Path(__file__).parent.parent / "tools" / "fuzz.py")

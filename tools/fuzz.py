@@ -10,8 +10,9 @@ Cases (each drawn from (seed, index), so a run is reproducible):
 
 - ``gguf``: a small real GGUF (written by llambda.synth, or a real file's header) with its
   header or tensor table mutated: counts, key and string lengths, value types, array
-  counts, tensor dims, types and offsets set to edge values, bytes flipped, the file cut.
-  Then ``convert`` it, and ``info``, ``verify`` and load-and-generate what came out.
+  counts, metadata values, tensor dims, types and offsets set to edge values, tensor bytes
+  changed, bits flipped, the file cut. Then its tokenizer alone, ``convert``, and ``info``,
+  ``verify`` and load-and-generate what came out.
 - ``llb``: a converted llambda file with its JSON header edited (config values, tensor
   entries, layouts, tokenizer fields, the chat template) and its header checksum made
   right again (so the deeper checks are reached), or bytes flipped, or the file cut. Then
@@ -20,6 +21,8 @@ Cases (each drawn from (seed, index), so a run is reproducible):
   random ids to decode.
 - ``template``: random Jinja templates built from a grammar of statements and
   expressions, rendered with random conversations.
+- ``cli``: random ``llambda run`` command lines (option values at their edges) through
+  ``cli.main``: one line on stderr at most, besides statistics and warnings.
 
 Each case runs in a forked child (a crash kills only it) under a memory limit and a
 time limit. A case passes when every step either succeeds or raises one of the errors
@@ -435,6 +438,7 @@ def run_steps(case, workdir):
         path.write_bytes(case.data)
         model_file = path
         if case.kind == "gguf":
+            step("gguf tokenizer", lambda: _tokenize(path, rng))       # reads no tensor data
             model_file = step("convert", lambda: convert.convert(path, Path(workdir) / "out.llb", progress=False))
             if model_file is None:
                 return outcomes
@@ -519,9 +523,10 @@ def _load(path):
 
 
 def _tokenize(path, rng):
-    from llambda import convert
-    tokenizer = convert.build_tokenizer(path, convert.tokenizer_metadata(path))
-    return tokenizer.decode(tokenizer.encode(random_text(rng)))
+    import llambda
+    tokenizer = llambda.load_tokenizer(path)
+    text = random_text(rng).encode("utf-8", "replace").decode("utf-8")
+    return tokenizer.decode(tokenizer.encode(text))
 
 
 _TOKENIZER = None

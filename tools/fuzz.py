@@ -156,8 +156,8 @@ def mutate_gguf(data, rng):
             offset, size, what = rng.choice(values)
             old = bytes(data[offset:offset + size])
             new = rng.choice((bytes(size), b"\xff" * size, rng.randbytes(size),
-                              (int.from_bytes(old, "little") + rng.choice((1, -1, 2))).to_bytes(size, "little", signed=False)
-                              if int.from_bytes(old, "little") > 1 else rng.randbytes(size),
+                              ((int.from_bytes(old, "little") + rng.choice((1, -1, 2))) % (1 << (8 * size)))
+                              .to_bytes(size, "little"),
                               b"\x00\x00\xc0\x7f"[:size] if size == 4 else rng.randbytes(size)))
             data[offset:offset + size] = new
             description.append(f"{what} at {offset}: {old.hex()} -> {new.hex()}")
@@ -637,7 +637,12 @@ def campaign(seed=0, cases=None, minutes=None, folder="fuzz-failures", workdir=N
     tried, failures, index = 0, [], 0
     try:
         while (cases is None or tried < cases) and (end is None or time.monotonic() < end):
-            case = draw_case(seed, index, SEEDS)
+            try:
+                case = draw_case(seed, index, SEEDS)
+            except Exception:       # noqa: BLE001 - a mutator's own bug must not end the campaign
+                print(f"mutator failed on {seed}:{index} (skipped):\n{traceback.format_exc()}", file=log, flush=True)
+                index += 1
+                continue
             index += 1
             ok, report = run_case_isolated(case, timeout=timeout)
             tried += 1

@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from . import generation
+from . import generation, inputs, integrity, limits
 from .engine import Engine
 from .kv_pool import KVPool, check_kv_type
 from .errors import UserError
@@ -46,8 +46,7 @@ def load_tokenizer(path):
         text = tok.decode(ids)
     """
     from . import convert
-    from .tokenizer import Tokenizer
-    return Tokenizer.from_gguf_metadata(convert.tokenizer_metadata(path))
+    return convert.build_tokenizer(path, convert.tokenizer_metadata(path))
 
 
 class Model:
@@ -59,7 +58,6 @@ class Model:
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
-        from .tokenizer import Tokenizer
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
@@ -77,7 +75,7 @@ class Model:
             path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
-        self.tokenizer = Tokenizer.from_gguf_metadata(tokenizer_md)
+        self.tokenizer = convert.build_tokenizer(path, tokenizer_md)
         # Ids from n_vocab on have an embedding row but are no token to produce
         self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
         # a chat_formats.ChatTemplate: .name, .text, .builtin
@@ -91,17 +89,21 @@ class Model:
             kv_type = check_kv_type(kv_type, self.config.head_dim)
         except ValueError as error:
             raise UserError(str(error)) from None
-        kv_blocks = None
-        if kv_cache_mb is not None:
-            block = KVPool.block_bytes(self.config, kv_type)
+        block = KVPool.block_bytes(self.config, kv_type)
+        if kv_cache_mb is None:        # parallel full contexts, and one for evaluate()'s own sequence
+            kv_blocks = (parallel + 1) * KVPool.blocks_for(n_ctx) + 1
+        else:
             kv_blocks = int(kv_cache_mb * 2 ** 20 // block)
             if kv_blocks < 2:
                 raise UserError(f"kv_cache_mb: {kv_cache_mb} MiB holds no KV block of this model "
                                 f"({block} bytes each)")
+        # before the KV cache is allocated: refuse what cannot fit, with the figures
+        limits.check_context_memory(self.config, n_ctx, kv_bytes=kv_blocks * block,
+                                    option="--kv-cache-mb" if kv_cache_mb is not None else "--ctx")
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
                                     max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type)
         self.parallel = parallel
-        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting)
+        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path)
         # the engine thread holds the network, not this object: a Model nobody holds any more
         # stops its threads (close() does it at once)
         weakref.finalize(self, self.engine.close)
@@ -120,6 +122,7 @@ class Model:
 
     # -- tokens ---------------------------------------------------------------
     def tokenize(self, text, add_special=True, parse_special=True):
+        inputs.check_text(text, "text")
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids):
@@ -135,7 +138,8 @@ class Model:
         """Logits [len(ids), vocab] of every position of ``ids``, from an empty context: every
         row of the LM head, padding rows past the vocabulary too (``evaluate`` masks those)."""
         ids = self._check_ids(ids)
-        return self.engine.call(lambda: self._run_direct(ids, 0, all_logits=True))
+        return integrity.check_logits(self.engine.call(lambda: self._run_direct(ids, 0, all_logits=True)),
+                                      self.path)
 
     def evaluate(self, ids, stats=None):
         """Logits of the last token of ``ids``, reusing the longest cached prefix; ids from
@@ -152,7 +156,8 @@ class Model:
                             "(use a larger --ctx, or truncate)")
         common = min(_common_prefix(self._cached, ids), len(ids) - 1)   # always run one token at least
         new = self._check_ids(ids[common:])
-        logits = self.engine.call(lambda: self._run_direct(ids[:common] + new, common))
+        logits = integrity.check_logits(self.engine.call(lambda: self._run_direct(ids[:common] + new, common)),
+                                        self.path)
         logits[self.n_vocab:] = -np.inf
         if stats is not None:
             stats.prompt_tokens = len(ids)
@@ -168,7 +173,7 @@ class Model:
         return out if all_logits else out.copy()
 
     def _check_ids(self, ids):
-        ids = [int(i) for i in ids]
+        ids = inputs.check_token_ids(ids)
         if not ids:
             raise UserError("the prompt is empty (no tokens)")
         vocab = self.config.vocab_size
@@ -200,6 +205,7 @@ class Model:
         Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
         ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
         many alternatives each event lists. Raises EngineBusy when too many are waiting."""
+        prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
         from .sampling import Sampler
         try:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -209,8 +215,6 @@ class Model:
             raise UserError(str(error)) from None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise UserError(f"max_tokens: expected an integer >= 0, got {max_tokens!r}")
-        if isinstance(stop, str):
-            stop = [stop]
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if truncate and len(ids) > self.n_ctx - 1:
             ids = ids[-(self.n_ctx - 1):]
@@ -228,6 +232,7 @@ class Model:
         A built-in format leaves BOS out, as llama.cpp's do: chat() tokenizes its text
         with the tokenizer's special tokens. Any other template writes BOS itself.
         extra: more template variables (tools=..., documents=..., ...)."""
+        messages = inputs.check_messages(messages)
         from .chat_formats import FILE_TEMPLATE, hint_for_failed_template
         from .chat_template import render_chat
         template, tok = self.chat_template, self.tokenizer
@@ -297,4 +302,4 @@ def _check_threads(threads):
             raise UserError(f"LLAMBDA_THREADS: expected a positive integer, got {threads!r}") from None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UserError(f"{source}: expected a positive integer, got {threads!r}")
-    return threads
+    return limits.check_thread_count(threads, source)

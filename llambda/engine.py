@@ -130,10 +130,12 @@ class Engine:
     """Runs the steps of ``net`` (a llambda.model.TransformerModel) for many sequences.
 
     tokenizer: for detokenizing and the end-of-generation ids; n_vocab: ids from here on are
-    never sampled; max_waiting: submissions beyond this many waiting raise EngineBusy."""
+    never sampled; max_waiting: submissions beyond this many waiting raise EngineBusy; path:
+    the model file, named when its logits go wrong."""
 
-    def __init__(self, net, tokenizer, n_vocab, max_waiting=64):
+    def __init__(self, net, tokenizer, n_vocab, max_waiting=64, path="the model file"):
         self.net = net
+        self.path = path
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
         self.max_waiting = max_waiting
@@ -317,7 +319,12 @@ class Engine:
             c.computed = start + n
             net.kv.seal(c.blocks, c.keys, c.tokens, c.computed)
         for i, c in enumerate(head):
-            self._sample(c, logits[i])
+            try:
+                self._sample(c, logits[i])
+            except ValueError as error:          # NaN or +inf logits: the weights went wrong
+                self._end(c, "error", "error", UserError(
+                    f"the model produced bad logits ({error}): {self.path} may be damaged; "
+                    f"run `llambda verify {self.path}`"))
 
     def _sample(self, c, logits):
         if c.max_tokens == 0:                  # the prompt is evaluated (and cached), nothing generated

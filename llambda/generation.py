@@ -87,7 +87,8 @@ def fill_stats(stats, c):
     stats.prompt_ids = c.tokens[:c.prompt_tokens]
     stats.ids = list(c.ids)
     stats.generated_tokens = c.completion_tokens
-    stats.stop_reason = c.stop_reason or ""
+    # left early (Ctrl-C, the caller's close()): "interrupted", as the CLI says it
+    stats.stop_reason = "interrupted" if c.stop_reason in ("cancelled", None) else c.stop_reason
     if c.t_first is not None:
         stats.first_token_s = c.t_first - c.t_submit
         stats.prefill_s = c.t_first - (c.t_start or c.t_submit)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llambda.runtime import faults
+
 from .errors import UserError
 
 _MAGIC = b"GGUF"
@@ -77,10 +79,12 @@ class GGUFFile:
             raise UserError(f"{self.path}: no such file") from None
         except (OSError, ValueError) as e:   # ValueError: an empty file cannot be mapped
             raise UserError(f"{self.path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        faults.guard(self._buf, self.path)     # a SIGBUS in it (file changed under it) names the file
         self._array = None
         try:
             self._read_tables()
-        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+            # OverflowError: a length or count past any file size (a damaged length field)
             raise UserError(f"{self.path}: damaged or truncated GGUF ({type(e).__name__}: {e})") from None
 
     # -- the tables ------------------------------------------------------------

@@ -111,9 +111,11 @@ class Sampler:
         recent = np.asarray(history[-self.repeat_last_n:], dtype=np.int64)
         recent, counts = np.unique(recent[(recent >= 0) & (recent < logits.size)], return_counts=True)
         penalized = logits.copy()
-        seen = penalized[recent]
-        seen = np.where(seen > 0, seen / self.repeat_penalty, seen * self.repeat_penalty)
-        penalized[recent] = seen - self.presence_penalty - self.frequency_penalty * counts
+        seen = penalized[recent].astype(np.float64)
+        with np.errstate(over="ignore"):        # a huge penalty: pushed to the far end, still finite
+            changed = np.where(seen > 0, seen / self.repeat_penalty, seen * self.repeat_penalty)
+            changed = changed - self.presence_penalty - self.frequency_penalty * counts
+        penalized[recent] = np.clip(changed, -_FLOAT32_MAX, _FLOAT32_MAX)
         return penalized
 
     # Top-p and min-p each keep a prefix of the candidates sorted most likely first.
@@ -159,11 +161,15 @@ class Sampler:
         return max(1, int(np.count_nonzero(sorted_logits >= floor)))
 
     def _tempered(self, candidate_logits):
-        """Softmax of the logits at the temperature."""
-        scaled = candidate_logits / self.temperature
-        weights = np.exp(scaled - np.max(scaled))
+        """Softmax of the logits at the temperature. The largest is subtracted before the
+        division, so a tiny temperature gives 0 and -inf (weights 1 and 0), never inf - inf."""
+        with np.errstate(over="ignore"):
+            scaled = (candidate_logits - np.max(candidate_logits)) / self.temperature
+        weights = np.exp(scaled)
         return weights / weights.sum()
 
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # How many of the most likely ids are sorted first when top-k is off.
 _FIRST_PREFIX = 256

@@ -19,7 +19,6 @@ suite among them). The merge loops themselves run in HF `tokenizers` (Rust);
 this module decides what each call gets to see.
 """
 import codecs
-import os
 import re
 from enum import IntEnum
 
@@ -30,6 +29,8 @@ from tokenizers import models, pre_tokenizers
 
 from llambda import bpe_cache
 from llambda.errors import UserError
+from llambda.runtime import atomic
+from llambda.inputs import check_text
 
 
 class TokenType(IntEnum):
@@ -231,8 +232,20 @@ def _split_merge(merge):
 
 
 def _vocab_dict(tokens):
-    # Like llama.cpp, a repeated token text maps to its last id (as dict() keeps the last).
-    return dict(zip(tokens, range(len(tokens))))
+    # Like llama.cpp, a repeated token text maps to its last id. A token whose bytes are
+    # not UTF-8 (kept as surrogate escapes, see gguf_file) cannot be matched in text, and
+    # HF refuses it: it stays out of the encoder and decodes to its raw bytes.
+    if _is_text("".join(tokens)):        # one check for the usual, all-text vocabulary
+        return {text: token_id for token_id, text in enumerate(tokens)}
+    return {text: token_id for token_id, text in enumerate(tokens) if _is_text(text)}
+
+
+def _is_text(text):
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _bpe_model(tokens, merges, **options):
@@ -341,9 +354,8 @@ def _store_cached_pairs(key, pairs):
     path = _merge_cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        with atomic.create(path) as f:          # nothing left behind if killed meanwhile
             np.save(f, pairs, allow_pickle=False)
-        os.replace(f.name, path)
     except OSError:
         pass
 
@@ -523,18 +535,18 @@ class Tokenizer:
         """What a token contributes to decoded text (control tokens included)."""
         text, kind = self._tokens[token_id], self._types[token_id]
         if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
         if kind == TokenType.UNUSED:
             return b""
         if kind == TokenType.BYTE:
             return bytes([int(text[3:-1], 16)])
         if self._kind in ("llama", "gemma4"):
-            return text.replace("▁", " ").encode("utf-8")
+            return text.replace("▁", " ").encode("utf-8", "surrogateescape")
         stand_ins = text.translate(_CHAR_TO_BYTE)
         try:
             return stand_ins.encode("latin-1")
         except UnicodeEncodeError:  # not a byte-level token after all: keep its text
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
 
     def _texts_split_before_merging(self):
         """(text, id, is_control) of the tokens matched whole in raw text, longest first."""
@@ -542,7 +554,7 @@ class Tokenizer:
         candidates = np.flatnonzero(np.isin(np.asarray(self._types), whole)).tolist()
         found = [(self._tokens[token_id], token_id, self._types[token_id] != TokenType.USER_DEFINED)
                  for token_id in candidates if self._tokens[token_id]]
-        found.sort(key=lambda entry: -len(entry[0].encode("utf-8")))
+        found.sort(key=lambda entry: -len(entry[0].encode("utf-8", "surrogateescape")))
         return found
 
     # -- properties ----------------------------------------------------------
@@ -596,6 +608,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
+        check_text(text, "text")          # the text rule (llambda/inputs.py): UTF-8 or refused
         ids = []
         if add_special and self._add_bos:
             ids.append(self._bos_id)

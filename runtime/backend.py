@@ -14,11 +14,13 @@ import os
 import pkgutil
 import types
 
+from llambda.errors import UserError
+
 from . import cpu
 
 
-class BackendError(RuntimeError):
-    pass
+class BackendError(UserError, RuntimeError):
+    """LLAMBDA_BACKEND names no backend this CPU runs: one line, not a traceback."""
 
 
 def _collect(package_name, name, runs_plans):

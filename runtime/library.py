@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from llambda.errors import UserError
+
 from . import cpu
 from .paths import cache_dir
 
@@ -30,8 +32,8 @@ _CTYPES = {
 }
 
 
-class KernelLibraryError(RuntimeError):
-    pass
+class KernelLibraryError(UserError, RuntimeError):
+    """The kernel library cannot be built or loaded: one line, not a traceback."""
 
 
 # Where a wheel puts the library it ships (codegen/wheel_hook.py builds it there).

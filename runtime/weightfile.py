@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic, faults
+
 MAGIC = b"LLAMBDA\0"
 GGUF_MAGIC = b"GGUF"
 FORMAT_VERSION = 1
@@ -69,32 +71,21 @@ class TensorEntry:
 
 # ---------------------------------------------------------------- writing
 
-def write(path, metadata, arrays, progress=None):
+def write(path, metadata, arrays, progress=None, check=None):
     """Write ``arrays`` (name -> ndarray) and a JSON-able ``metadata`` dict to ``path``.
 
-    Atomic: the file is written under a temporary name in the same directory,
-    fsync'ed and renamed. On any error (or Ctrl-C) the temporary file is
-    removed and ``path`` is left as it was. ``progress=True`` shows a tqdm bar
-    on stderr. Returns ``path`` as a Path.
+    Atomic and read-only (runtime/atomic.py): the data goes to an unnamed file that
+    gets its name once whole and fsync'ed; on any error, Ctrl-C or kill, ``path`` is
+    left as it was and nothing is left behind. ``check(path_to_open)`` may refuse the
+    finished file before it is named. ``progress=True`` shows a tqdm bar on stderr.
+    Returns ``path`` as a Path.
     """
     path = Path(path)
     arrays = {str(name): _plain_array(name, a) for name, a in arrays.items()}
     header, entries = _layout(metadata, arrays)
-    import secrets           # (here: it loads OpenSSL, which reading a file does not need)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # os.open with 0o666 lets the umask decide the final permissions, as for any new file.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(header)
-            _write_arrays(out, arrays, entries, progress, path.name)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    with atomic.create(path, check=check) as out:
+        out.write(header)
+        _write_arrays(out, arrays, entries, progress, path.name)
     return path
 
 
@@ -162,20 +153,6 @@ def _progress_bar(progress, total, description):
     from tqdm import tqdm
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=not progress, leave=False)
-
-
-def _fsync_directory(directory):
-    # Makes the rename itself durable; some file systems refuse to open a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- reading
@@ -253,7 +230,9 @@ def _map(path):
             size = os.fstat(f.fileno()).st_size
             start = f.read(_PREFIX.size)
             _check_prefix(path, start, size)
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        faults.guard(mapping, path)       # a SIGBUS in it (file changed under it) names the file
+        return mapping
     except FileNotFoundError:
         raise WeightFileError(path, "no such file") from None
     except IsADirectoryError:

@@ -1,0 +1,236 @@
+"""A file changed under its mapping ends the process with one line that names the file.
+
+llambda reads weights straight from read-only mappings. When a mapped file is truncated
+or rewritten in place (``cp new.llb old.llb`` while ``llambda run`` uses it), the next
+read of a page past the new end raises SIGBUS, which kills the process with no message.
+Python cannot handle it: its signal handler only sets a flag and returns, the faulting
+load runs again and faults again (and inside a kernel the interpreter never runs at all).
+
+So a tiny native handler is installed with sigaction(SA_SIGINFO): it looks the fault
+address (``siginfo.si_addr``) up in a table of the mapped ranges, writes that range's
+message to stderr with write(2) and ends the process with exit_group(135), 128 + SIGBUS,
+as if the signal had killed it. It calls no libc function and touches no Python state:
+everything it needs (the messages) is prepared when a file is mapped.
+
+The handler is x86-64 code generated with PeachPy (``_emit``): its bytes are built once
+and cached in the user cache beside the kernel library, keyed by this module's source, so
+a load imports no PeachPy. Where neither PeachPy nor the cached bytes exist, or on another
+platform, ``guard`` does nothing and a SIGBUS ends the process as before.
+
+Table layout (u64 words), at a fixed address patched into the handler's code::
+
+    [0] count  [1] fallback message address  [2] its length  [3] unused
+    then CAPACITY entries of [start, end, message address, message length]
+"""
+import ctypes
+import hashlib
+import mmap
+import os
+import platform
+import signal
+import struct
+import sys
+import threading
+import weakref
+
+CAPACITY = 256                          # mapped ranges known at once
+_HEADER_WORDS = 4
+_ENTRY_WORDS = 4
+_PLACEHOLDER = 0x1122334455667788       # the table address, patched into the code
+EXIT_STATUS = 128 + int(signal.SIGBUS)
+_SA_SIGINFO = 4
+_SA_ONSTACK = 0x08000000
+
+_lock = threading.Lock()
+_state = None                           # _Installed, or False where no handler can be had
+_messages = {}                          # slot -> bytes kept alive while the range is mapped
+
+
+def guard(mapping, path):
+    """Name ``path`` in the message of a SIGBUS inside ``mapping`` (an mmap.mmap), for as
+    long as the mapping lives. Best effort: never raises."""
+    try:
+        state = _install()
+        if not state or len(mapping) == 0:
+            return
+        import numpy as np
+        start = np.frombuffer(mapping, np.uint8).ctypes.data
+        message = (f"llambda: {os.fspath(path)} changed while in use (it was truncated or written over "
+                   "while mapped; SIGBUS): stopping. Replace a model file by writing a new one and renaming "
+                   "it, never in place\n").encode("utf-8", "replace")
+        slot = state.add(start, start + len(mapping), message)
+        if slot is not None:
+            weakref.finalize(mapping, state.remove, slot)
+    except Exception:       # noqa: BLE001 - a missing guard must never stop a load
+        return
+
+
+def _install():
+    global _state
+    with _lock:
+        if _state is None:
+            try:
+                _state = _Installed(_handler_code())
+            except Exception:       # noqa: BLE001 - no PeachPy, no cache, not Linux x86-64
+                _state = False
+        return _state
+
+
+class _Installed:
+    def __init__(self, code):
+        if code is None:
+            raise OSError("no SIGBUS handler code")
+        words = _HEADER_WORDS + _ENTRY_WORDS * CAPACITY
+        self.table = (ctypes.c_uint64 * words)()
+        self.free = list(range(CAPACITY))
+        self.used = {}
+        fallback = b"llambda: bus error (SIGBUS) outside llambda's mapped files: stopping\n"
+        self.fallback = ctypes.create_string_buffer(fallback, len(fallback))
+        self.table[1] = ctypes.addressof(self.fallback)
+        self.table[2] = len(fallback)
+        code = code.replace(struct.pack("<Q", _PLACEHOLDER), struct.pack("<Q", ctypes.addressof(self.table)))
+        self.code_address = _executable(code)
+        _sigaction(signal.SIGBUS, self.code_address)
+
+    def add(self, start, end, message):
+        with _lock:
+            if not self.free:
+                return None
+            slot = self.free.pop()
+            buffer = ctypes.create_string_buffer(message, len(message))
+            _messages[slot] = buffer
+            self.used[slot] = (start, end, ctypes.addressof(buffer), len(message))
+            self._rewrite()
+            return slot
+
+    def remove(self, slot):
+        with _lock:
+            self.used.pop(slot, None)
+            self._rewrite()
+            _messages.pop(slot, None)
+            self.free.append(slot)
+
+    def _rewrite(self):
+        # Live entries packed at the front; the count is written last (and lowered first),
+        # so a handler running meanwhile only ever reads complete entries.
+        table = self.table
+        table[0] = 0
+        for i, entry in enumerate(self.used.values()):
+            base = _HEADER_WORDS + _ENTRY_WORDS * i
+            table[base:base + _ENTRY_WORDS] = list(entry)
+        table[0] = len(self.used)
+
+
+# ---------------------------------------------------------------- the handler's code
+
+def _emit():
+    """The handler's machine code (PeachPy): void handler(int sig, siginfo_t *info, void *ctx)."""
+    from peachpy import Argument, int32_t, ptr
+    from peachpy.x86_64 import (ADD, CMP, JAE, JB, JMP, JZ, LABEL, LEA, MOV, RETURN, SUB, SYSCALL, TEST,
+                                Function, Label, abi, eax, edi, qword, r8, r9, rax, rcx, rdx, rsi)
+    sig = Argument(int32_t, name="sig")
+    info = Argument(ptr(), name="info")
+    context = Argument(ptr(), name="context")
+    with Function("llb_sigbus_handler", (sig, info, context)) as function:
+        scan, next_entry, not_ours, report = Label("scan"), Label("next"), Label("not_ours"), Label("report")
+        MOV(r8, _PLACEHOLDER)                   # the table
+        MOV(rax, qword[rsi + 16])               # info->si_addr
+        MOV(rcx, qword[r8])                     # how many entries
+        LEA(r9, [r8 + 8 * _HEADER_WORDS])       # the first
+        LABEL(scan)
+        TEST(rcx, rcx)
+        JZ(not_ours)
+        CMP(rax, qword[r9])                     # start <= addr < end
+        JB(next_entry)
+        CMP(rax, qword[r9 + 8])
+        JAE(next_entry)
+        MOV(rsi, qword[r9 + 16])
+        MOV(rdx, qword[r9 + 24])
+        JMP(report)
+        LABEL(next_entry)
+        ADD(r9, 8 * _ENTRY_WORDS)
+        SUB(rcx, 1)
+        JMP(scan)
+        LABEL(not_ours)
+        MOV(rsi, qword[r8 + 8])
+        MOV(rdx, qword[r8 + 16])
+        LABEL(report)
+        MOV(eax, 1)                             # write(2, message, length)
+        MOV(edi, 2)
+        SYSCALL()
+        MOV(eax, 231)                           # exit_group(128 + SIGBUS)
+        MOV(edi, EXIT_STATUS)
+        SYSCALL()
+        RETURN()
+    return bytes(function.finalize(abi.system_v_x86_64_abi).encode().code_section.content)
+
+
+def _cache_path():
+    from .paths import cache_dir
+    with open(__file__, "rb") as f:
+        key = hashlib.sha256(f.read()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"sigbus-handler-{key}.bin"
+
+
+def _handler_code():
+    """The handler's bytes: from the cache, else generated (and cached); None when neither."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    path = _cache_path()
+    try:
+        code = path.read_bytes()
+        if struct.pack("<Q", _PLACEHOLDER) in code:
+            return code
+    except OSError:
+        pass
+    try:
+        code = _emit()
+    except ImportError:
+        return None
+    try:
+        from . import atomic
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic.create(path) as f:
+            f.write(code)
+    except OSError:
+        pass
+    return code
+
+
+# ---------------------------------------------------------------- libc
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+def _executable(code):
+    """Copy ``code`` into a fresh page, then make it read+execute (never writable and
+    executable at once)."""
+    libc = _libc()
+    size = -(-len(code) // mmap.PAGESIZE) * mmap.PAGESIZE
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap for the SIGBUS handler failed")
+    ctypes.memmove(address, code, len(code))
+    if libc.mprotect(address, size, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect for the SIGBUS handler failed")
+    return address
+
+
+class _SigAction(ctypes.Structure):
+    # glibc's struct sigaction on x86-64
+    _fields_ = [("sa_sigaction", ctypes.c_void_p), ("sa_mask", ctypes.c_uint64 * 16),
+                ("sa_flags", ctypes.c_int), ("sa_restorer", ctypes.c_void_p)]
+
+
+def _sigaction(signum, handler_address):
+    libc = _libc()
+    action = _SigAction()
+    action.sa_sigaction = handler_address
+    action.sa_flags = _SA_SIGINFO | _SA_ONSTACK
+    if libc.sigaction(int(signum), ctypes.byref(action), None) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction(SIGBUS) failed")

@@ -69,26 +69,28 @@ class StopStrings:
 def stream(completion, stats=None):
     """Yield the text pieces of an engine Completion as they come; fill ``stats`` at the end.
     Leaving early (break, an exception, Ctrl-C) cancels the sequence."""
+    read_to_the_end = False
     try:
         for event in completion:
             if event.text:
                 yield event.text
+        read_to_the_end = True
     finally:
         if not completion.done:
             completion.cancel()
             completion.wait()
         if stats is not None:
-            fill_stats(stats, completion)
+            fill_stats(stats, completion, interrupted=not read_to_the_end)
 
 
-def fill_stats(stats, c):
+def fill_stats(stats, c, interrupted=False):
     stats.prompt_tokens = c.prompt_tokens
     stats.cached_tokens = c.cached_tokens
     stats.prompt_ids = c.tokens[:c.prompt_tokens]
     stats.ids = list(c.ids)
     stats.generated_tokens = c.completion_tokens
     # left early (Ctrl-C, the caller's close()): "interrupted", as the CLI says it
-    stats.stop_reason = "interrupted" if c.stop_reason in ("cancelled", None) else c.stop_reason
+    stats.stop_reason = "interrupted" if interrupted or c.stop_reason in ("cancelled", None) else c.stop_reason
     if c.t_first is not None:
         stats.first_token_s = c.t_first - c.t_submit
         stats.prefill_s = c.t_first - (c.t_start or c.t_submit)

@@ -79,10 +79,10 @@ def check_context_memory(config, n_ctx, option="--ctx", kv_bytes=None):
     need = context_bytes(config, n_ctx, kv_bytes)
     have = available_memory()
     if have is not None and need > have:
-        raise UserError(f"{option}: the KV cache of {n_ctx} positions a sequence ({config.n_layer} layers x "
-                        f"{config.n_kv_head} KV heads x {config.head_dim}, K and V) needs {_size(need)} "
-                        f"in all but {_size(have)} of memory is available; use a smaller --ctx, "
-                        f"--parallel or --kv-cache-mb")
+        raise UserError(f"{option} {n_ctx if option == '--ctx' else ''}".rstrip()
+                        + f": the KV cache needs {_size(need)} ({config.n_layer} layers x {config.n_kv_head} KV heads "
+                        f"x {config.head_dim}, K and V, {n_ctx} positions a sequence) but {_size(have)} of memory "
+                        "is available; use a smaller --ctx, --parallel or --kv-cache-mb")
     return need
 
 

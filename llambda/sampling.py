@@ -83,7 +83,11 @@ class Sampler:
         server's default, temperature only): the cumulative sum is float64, so no id's share
         of it is lost to rounding."""
         logits = self._penalize_repeats(logits, history)
-        weights = np.exp((logits - np.max(logits)) * np.float32(1.0 / self.temperature))
+        scale = 1.0 / self.temperature
+        if not scale < _FLOAT32_MAX:           # a temperature this small leaves only the best
+            return int(np.argmax(logits))
+        with np.errstate(over="ignore"):       # far below the best: -inf, a weight of 0
+            weights = np.exp((logits - np.max(logits)) * np.float32(scale))
         cumulative = np.cumsum(weights, dtype=np.float64)
         u = self._rng.random() * cumulative[-1]
         return min(int(np.searchsorted(cumulative, u, side="right")), logits.size - 1)

@@ -372,7 +372,7 @@ def test_cache_directory_errors_name_it_and_the_variable(tiny_gguf, tmp_path, mo
 
 def test_stop_is_a_string_not_its_characters(tiny_model, monkeypatch):
     seen = []
-    monkeypatch.setattr(generation, "generate", lambda model, ids, sampler, n, stops, *a, **k: seen.append(stops))
+    monkeypatch.setattr(tiny_model.engine, "submit", lambda ids, sampler, n, stops, **k: seen.append(stops))
     tiny_model.generate("x", stop="is")
     tiny_model.generate("x", stop=["is", "Par"])
     tiny_model.generate("x", stop=None)

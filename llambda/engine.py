@@ -233,6 +233,7 @@ class Engine:
                     except BaseException as error:       # handed to the caller
                         box["error"] = error
                     done.set()
+                calls = fn = box = done = None       # a call's closure may hold the caller's Model
                 self._admit()
                 self._drop_cancelled()
                 if self._running:

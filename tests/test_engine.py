@@ -235,3 +235,19 @@ def test_a_bounded_kv_cache_makes_sequences_wait_their_turn(tiny):
         together = [model.submit(prompt(30, seed=i), max_tokens=10, seed=i, ignore_eos=True, temperature=0.9)
                     for i in range(4)]
         assert [tokens_of(c) for c in together] == solo
+
+
+def test_a_model_nobody_holds_stops_its_threads(tiny):
+    """No close(): dropping the last reference ends the engine thread and the workers."""
+    def use():
+        model = llambda.load(tiny, n_ctx=64, threads=2, progress=False)
+        model.logits([1, 2, 3])
+        list(model.generate([1, 2], max_tokens=3))
+    before = {t.ident for t in threading.enumerate()}
+    use()
+    deadline = time.monotonic() + TIMEOUT_S
+    def ours():
+        return [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("llambda-")]
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not ours()

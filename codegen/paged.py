@@ -7,14 +7,13 @@ from memory when the kernel runs, and key j of that sequence lives in block
 ``[n_blocks, n_kv, KV_BLOCK, head_dim]``: within a block, one KV head's KV_BLOCK rows
 are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
 
-``attention_paged`` is codegen/attention.py's kernel walking the block table: the same
-three passes (scores in heads x keys register tiles, softmax on the score rows, P V in
-key blocks of KEY_BLOCK keys counted from the row's first key), the same reductions in
-the same order. A key's score, the softmax sums and every output sum are therefore
-accumulated in one fixed order that depends only on how many keys the row sees, never
-on where its blocks are, on the other rows of the step or on m: a row gives the same
-bits as a decode row or inside a prefill chunk, and the same bits as the contiguous
-kernel over the same keys. The window is one code path: the row sees the last
+``attention_paged`` runs codegen/attention.py's three passes walking the block table
+(scores in heads x keys register tiles, softmax on the score rows, P V in key blocks of
+KEY_BLOCK keys counted from the row's first key), with its reductions in their fixed
+order. A key's score, the softmax sums and every output sum are therefore accumulated in
+one fixed order that depends only on how many keys the row sees, never on where its
+blocks are, on the other rows of the step or on m: a row gives the same bits as a decode
+row or inside a prefill chunk. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
@@ -40,7 +39,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable
 from peachpy import Constant
 
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
-                        emit_softmax, reduce_to_scalar, reduce_to_scores, row, score_dots)
+                        emit_softmax, gp, reduce_to_scalar, reduce_to_scores, row, score_dots, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .contract import KV_BLOCK, KV_Q8_BLOCK
 
@@ -77,14 +76,6 @@ STORE_SIGNATURE = [("src", "const float*"), ("positions", "const int32_t*"), ("r
 
 GATHER_SIGNATURE = [("src", "const float*"), ("rows", "const int32_t*"), ("out", "float*"),
                     ("n_rows", "size_t"), ("d", "size_t")]
-
-
-def gp():
-    return GeneralPurposeRegister64()
-
-
-def ymms(n):
-    return [YMMRegister() for _ in range(n)]
 
 
 def load_all(args):
@@ -332,7 +323,7 @@ def emit_scores(heads, frame):
 def emit_pv_tile(heads, chunks, masked, frame):
     """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
     the key block's V rows found run by run through the block table. The first key block
-    stores, later blocks add to what out holds (as codegen/attention.py)."""
+    stores, later blocks add to what out holds."""
     accs = [ymms(chunks) for _ in range(heads)]
     for a in sum(accs, []):
         VXORPS(a, a, a)

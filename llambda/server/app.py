@@ -160,6 +160,19 @@ def failure(c):
                     code="shutting_down")
 
 
+async def collected(served, run, request):
+    """(events, completion) of a run that does not stream, once it has ended; a completion that
+    neither stopped nor hit its length raises its ApiError."""
+    try:
+        events = await run.collect(request)
+    finally:
+        served.finished(run)
+    c = run.completion
+    if c.finish_reason not in ("stop", "length"):
+        raise failure(c)
+    return events, c
+
+
 MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
 
 
@@ -239,13 +252,7 @@ def create_app(model, model_id, aliases=(), served=None):
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
         if req.stream:
             return EventStream(chat_stream(served, run, req, head), served, run)
-        try:
-            events = await run.collect(request)
-        finally:
-            served.finished(run)
-        c = run.completion
-        if c.finish_reason not in ("stop", "length"):
-            raise failure(c)
+        events, c = await collected(served, run, request)
         logprobs = None
         if top is not None:
             logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
@@ -274,13 +281,7 @@ def create_app(model, model_id, aliases=(), served=None):
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             return EventStream(completion_stream(served, run, req, head, echo), served, run)
-        try:
-            events = await run.collect(request)
-        finally:
-            served.finished(run)
-        c = run.completion
-        if c.finish_reason not in ("stop", "length"):
-            raise failure(c)
+        events, c = await collected(served, run, request)
         logprobs = None
         if req.logprobs is not None:
             logprobs = CompletionLogprobs(served, len(echo))

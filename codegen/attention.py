@@ -55,6 +55,14 @@ def ymms(n):
     return [YMMRegister() for _ in range(n)]
 
 
+def zeroed(heads, n):
+    """A tile of accumulators [head][n], each set to 0."""
+    accs = [ymms(n) for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    return accs
+
+
 def row(base, stride, r, disp=0):
     """Address of row ``r`` (0..2) of a block of rows ``stride`` bytes apart."""
     if r == 0:
@@ -119,9 +127,7 @@ def score_dots(heads, keys, frame, q_heads, k_rows):
             return [base + hd12 * 1 + disp]
         return [base + hd4 * index + disp]
 
-    accs = [ymms(keys) for _ in range(heads)]
-    for a in sum(accs, []):
-        VXORPS(a, a, a)
+    accs = zeroed(heads, keys)
     qd, kd = gp(), gp()
     MOV(qd, q_heads)
     MOV(kd, k_rows)

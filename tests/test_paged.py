@@ -566,18 +566,25 @@ def test_f16_arena_rejects_a_head_dim_off_the_chunk(native):
         native.kv_store_paged(buffers.zeros((1, 1, 12)), step.positions, step.row_seq, step.tables, arena)
 
 
-def test_f16_arena_long_context_tolerance(native, ref):
-    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
-    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
-    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
-    rng = np.random.default_rng(6)
+def long_context(seed):
+    """One sequence of 3000 keys in SmolLM2's shape (9 query / 3 KV heads, head_dim 64), rows at
+    its end, in the middle and near its start: (n_head, n_kv, head_dim, keys, values, rows, step,
+    q, scale)."""
+    rng = np.random.default_rng(seed)
     n_head, n_kv, head_dim, length = 9, 3, 64, 3000
     keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
     values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
     rows = [(0, length - 1), (0, 1234), (0, 15)]
     step = Step(rng, n_kv, head_dim, [length], rows)
     q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
-    scale = head_dim ** -0.5
+    return n_head, n_kv, head_dim, keys, values, rows, step, q, head_dim ** -0.5
+
+
+def test_f16_arena_long_context_tolerance(native, ref):
+    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
+    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
+    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
+    n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(6)
     k32, v32 = step.arena(keys), step.arena(values)
     k16, v16 = as_f16(k32), as_f16(v32)
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
@@ -593,28 +600,34 @@ def test_f16_arena_long_context_tolerance(native, ref):
             assert np.abs(got[i, h] - want[i, h]).max() <= bound
 
 
-def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encode):
+    """attention_paged and kv_store_paged on arrays that end at a guard page, arenas of
+    ``encode(f32 values)``: a read or write past any of them faults."""
     keep = []
-    rng = np.random.default_rng(8)
-    n_head, n_kv, head_dim, n_blocks = 4, 2, 64, 3
+    rng = np.random.default_rng(seed)
+    n_head, n_kv, n_blocks = 4, 2, 3
     tables = i32(rng.permutation(n_blocks)[None])
     positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
     shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
-    k16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
-    v16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    k = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
+    v = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
     q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
     out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
     want = np.zeros(q.shape)
-    ref.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, want, None)
-    native.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, out,
+    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None)
+    native.attention_paged(q, k, v, positions, row_seq, tables, 0.125, out,
                            native.paged_attention_scratch(n_blocks * KV_BLOCK))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(shape, np.float16), keep)
-    expected = np.zeros(shape, np.float16)
+    arena = before_a_guard_page(np.zeros(k.shape, k.dtype), keep)
+    expected = np.zeros(k.shape, k.dtype)
     ref.kv_store_paged(src, positions, row_seq, tables, expected)
     native.kv_store_paged(src, positions, row_seq, tables, arena)
     np.testing.assert_array_equal(arena, expected)
+
+
+def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+    check_ops_touch_nothing_past_their_arrays(native, ref, 8, 64, lambda x: x.astype(np.float16))
 
 
 # ---------------------------------------------------------------- q8_0 arenas
@@ -692,14 +705,7 @@ def test_q8_arena_long_context_tolerance(native, ref):
     keys, SmolLM2's shape. Each element moves by <= d_b / 2 (d_b = max|x| / 127 of its block of
     32), so a score by <= scale sum_i |q_i| d_b(i) / 2 and out by <= 2 that max|v| + max d_v / 2."""
     from llambda.runtime.ref.paged import quantize_kv_q8
-    rng = np.random.default_rng(10)
-    n_head, n_kv, head_dim, length = 9, 3, 64, 3000
-    keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
-    values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
-    rows = [(0, length - 1), (0, 1234), (0, 15)]
-    step = Step(rng, n_kv, head_dim, [length], rows)
-    q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
-    scale = head_dim ** -0.5
+    n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(10)
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
     native.attention_paged(q, k8, v8, step.positions, step.row_seq, step.tables, scale, got,
@@ -720,27 +726,7 @@ def test_q8_arena_long_context_tolerance(native, ref):
 
 
 def test_q8_ops_touch_nothing_past_their_arrays(native, ref):
-    keep = []
-    rng = np.random.default_rng(11)
-    n_head, n_kv, head_dim, n_blocks = 4, 2, 96, 3
-    tables = i32(rng.permutation(n_blocks)[None])
-    positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
-    shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
-    k8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
-    v8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
-    q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
-    out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
-    want = np.zeros(q.shape)
-    ref.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, want, None)
-    native.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, out,
-                           native.paged_attention_scratch(n_blocks * KV_BLOCK))
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(k8.shape, np.uint8), keep)
-    expected = np.zeros(k8.shape, np.uint8)
-    ref.kv_store_paged(src, positions, row_seq, tables, expected)
-    native.kv_store_paged(src, positions, row_seq, tables, arena)
-    np.testing.assert_array_equal(arena, expected)
+    check_ops_touch_nothing_past_their_arrays(native, ref, 11, 96, as_q8)
 
 
 def test_q8_arena_rejects_bad_shapes(native):

@@ -1,5 +1,5 @@
 """Elementwise and row-wise FP32 kernels: add, scale, exp, SiLU*mul, GELU*mul, bias add, RMSNorm,
-softmax, RoPE, and the KV cache store.
+softmax and RoPE.
 
 Every kernel handles any length: unrolled steps of several 8-lane vectors,
 then single vectors, then one masked vector for the tail (VMASKMOVPS), so
@@ -16,7 +16,7 @@ the first hits L1, and no pass does a horizontal operation inside its loop.
 from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, XMMRegister, LOAD, Loop,
                             RETURN, LABEL, Label, JMP, JB, JNZ, JBE, ADD, SUB, MOV, IMUL,
-                            LEA, SHL, SHR, XOR, VADDPS, VMULPS, VDIVPS, VSUBPS, VMAXPS, VANDPS, VXORPS,
+                            LEA, SHR, XOR, VADDPS, VMULPS, VDIVPS, VSUBPS, VMAXPS, VANDPS, VXORPS,
                             VMOVAPS, VBROADCASTSS, VBLENDVPS, VPERMILPS, VPERM2F128,
                             VFMADD231PS, VFMADD132PS, VCVTPS2PD, VEXTRACTF128, VFMADD231PD, VADDPD, VPERMILPD,
                             VXORPD, VUCOMISS, VCVTSS2SD, VCVTSI2SD, VDIVSD, VADDSD, VSQRTSD, VMOVAPD,
@@ -531,55 +531,6 @@ def emit_rope(isa, style):
     return f32_kernel(isa, "rope", ROPE_SIGNATURE, body, types=f"{style}_f32")
 
 
-# --------------------------------------------------------------------------- KV cache
-
-KV_STORE_SIGNATURE = [("src", "const float*"), ("positions", "const int32_t*"), ("cache", "float*"),
-                      ("m", "size_t"), ("n_heads", "size_t"), ("head_dim", "size_t"),
-                      ("src_stride", "size_t"), ("n_ctx", "size_t")]
-
-
-def emit_kv_store(isa):
-    """cache[h, positions[t], :] = src[t, h, :] for every token t < m and head h < n_heads.
-
-    src rows are ``src_stride`` floats apart (n_kv * head_dim: the caller
-    offsets src and cache to its first head); cache heads are n_ctx rows of
-    head_dim floats. The positions are read from memory on every call, so a
-    plan stays valid as the model rewrites them; they are trusted to be in
-    [0, n_ctx) (the binding checks them)."""
-    def body(*args):
-        src_token, positions, cache, m, n_heads, head_dim, src_stride, n_ctx = load_arguments(args)
-        head_bytes = GeneralPurposeRegister64()
-        LEA(head_bytes, [head_dim * FLOAT_BYTES])
-        SHL(src_stride, 2)                                   # floats -> bytes
-        cache_head_bytes = n_ctx
-        IMUL(cache_head_bytes, head_bytes)
-
-        with Loop() as token_loop:
-            src_head, cache_row = GeneralPurposeRegister64(), GeneralPurposeRegister64()
-            MOV(cache_row.as_dword, [positions])            # zero-extends: positions are >= 0
-            IMUL(cache_row, head_bytes)
-            ADD(cache_row, cache)
-            MOV(src_head, src_token)
-            heads_left = GeneralPurposeRegister64()
-            MOV(heads_left, n_heads)
-            with Loop() as head_loop:
-                def copy(v):
-                    value = YMMRegister()
-                    v.load(value, src_head)
-                    v.store(cache_row, value)
-
-                stream_row(head_dim, copy, UNROLL_STREAMING)
-                ADD(src_head, head_bytes)
-                ADD(cache_row, cache_head_bytes)
-                SUB(heads_left, 1)
-                JNZ(head_loop.begin)
-            ADD(src_token, src_stride)
-            ADD(positions, 4)
-            SUB(m, 1)
-            JNZ(token_loop.begin)
-    return f32_kernel(isa, "kv_store", KV_STORE_SIGNATURE, body)
-
-
 def emit(isa):
     return [emit_add(isa), emit_scale(isa), emit_exp(isa), emit_silu_mul(isa), emit_gelu_mul(isa),
-            emit_add_bias(isa), emit_rmsnorm(isa), emit_softmax(isa), emit_rope(isa, "pairs"), emit_rope(isa, "halves"), emit_kv_store(isa)]
+            emit_add_bias(isa), emit_rmsnorm(isa), emit_softmax(isa), emit_rope(isa, "pairs"), emit_rope(isa, "halves")]

@@ -266,6 +266,14 @@ def out_vector_address(outs, row, panel, half, lanes, column_bytes):
     return outs.address(row, column_bytes + panel * NR * 4 + half * lanes * 4)
 
 
+def out_vectors(acc, outs, lanes, column_bytes):
+    """(accumulator, its vector of out, its half) for every accumulator of the tile, in order."""
+    for row, per_panel in enumerate(acc):
+        for p, halves in enumerate(per_panel):
+            for h, reg in enumerate(halves):
+                yield reg, out_vector_address(outs, row, p, h, lanes, column_bytes), h
+
+
 def emit_init(acc, outs, src, lanes, column_bytes, masks=None):
     """acc = 0, or (accumulate) the partial sums in out; masked lanes load 0."""
     accumulate = GeneralPurposeRegister64()
@@ -273,14 +281,11 @@ def emit_init(acc, outs, src, lanes, column_bytes, masks=None):
     zero, done = _label("init_zero"), _label("init_done")
     TEST(accumulate, accumulate)
     JZ(zero)
-    for row, per_panel in enumerate(acc):
-        for p, halves in enumerate(per_panel):
-            for h, reg in enumerate(halves):
-                at = out_vector_address(outs, row, p, h, lanes, column_bytes)
-                if masks is None:
-                    VMOVUPS(reg, at)
-                else:
-                    VMASKMOVPS(reg, masks[h], at)
+    for reg, at, h in out_vectors(acc, outs, lanes, column_bytes):
+        if masks is None:
+            VMOVUPS(reg, at)
+        else:
+            VMASKMOVPS(reg, masks[h], at)
     JMP(done)
     LABEL(zero)
     for reg in (r for per_panel in acc for halves in per_panel for r in halves):
@@ -289,14 +294,11 @@ def emit_init(acc, outs, src, lanes, column_bytes, masks=None):
 
 
 def emit_store(acc, outs, lanes, column_bytes, masks=None):
-    for row, per_panel in enumerate(acc):
-        for p, halves in enumerate(per_panel):
-            for h, reg in enumerate(halves):
-                at = out_vector_address(outs, row, p, h, lanes, column_bytes)
-                if masks is None:
-                    VMOVUPS(at, reg)
-                else:
-                    VMASKMOVPS(at, masks[h], reg)
+    for reg, at, h in out_vectors(acc, outs, lanes, column_bytes):
+        if masks is None:
+            VMOVUPS(at, reg)
+        else:
+            VMASKMOVPS(at, masks[h], reg)
 
 
 def make_accumulators(rows, n_panels, lanes):

@@ -7,14 +7,13 @@ from memory when the kernel runs, and key j of that sequence lives in block
 ``[n_blocks, n_kv, KV_BLOCK, head_dim]``: within a block, one KV head's KV_BLOCK rows
 are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
 
-``attention_paged`` is codegen/attention.py's kernel walking the block table: the same
-three passes (scores in heads x keys register tiles, softmax on the score rows, P V in
-key blocks of KEY_BLOCK keys counted from the row's first key), the same reductions in
-the same order. A key's score, the softmax sums and every output sum are therefore
-accumulated in one fixed order that depends only on how many keys the row sees, never
-on where its blocks are, on the other rows of the step or on m: a row gives the same
-bits as a decode row or inside a prefill chunk, and the same bits as the contiguous
-kernel over the same keys. The window is one code path: the row sees the last
+``attention_paged`` runs codegen/attention.py's three passes walking the block table
+(scores in heads x keys register tiles, softmax on the score rows, P V in key blocks of
+KEY_BLOCK keys counted from the row's first key), with its reductions in their fixed
+order. A key's score, the softmax sums and every output sum are therefore accumulated in
+one fixed order that depends only on how many keys the row sees, never on where its
+blocks are, on the other rows of the step or on m: a row gives the same bits as a decode
+row or inside a prefill chunk. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
@@ -30,7 +29,7 @@ pairs of 32-bit values travel packed in one size_t each (low | high << 32):
 """
 from types import SimpleNamespace
 
-from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable, LOAD, Loop, Block,
+from peachpy.x86_64 import (YMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG,
                             VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
@@ -40,7 +39,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, LocalVariable
 from peachpy import Constant
 
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
-                        emit_softmax, reduce_to_scalar, reduce_to_scores, row, score_dots)
+                        emit_softmax, gp, reduce_to_scalar, reduce_to_scores, row, score_dots, ymms, zeroed)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .contract import KV_BLOCK, KV_Q8_BLOCK
 
@@ -77,14 +76,6 @@ STORE_SIGNATURE = [("src", "const float*"), ("positions", "const int32_t*"), ("r
 
 GATHER_SIGNATURE = [("src", "const float*"), ("rows", "const int32_t*"), ("out", "float*"),
                     ("n_rows", "size_t"), ("d", "size_t")]
-
-
-def gp():
-    return GeneralPurposeRegister64()
-
-
-def ymms(n):
-    return [YMMRegister() for _ in range(n)]
 
 
 def load_all(args):
@@ -149,10 +140,9 @@ def dequantized_chunk(out, quants, scale):
     VMULPS(out, out, scale)
 
 
-def key_dots_q8(heads, keys, frame, k_rows):
-    """key_dots over q8_0 rows: each K chunk dequantized (its scale broadcast), then the f32
-    FMAs in the f32 order. q stays in registers for up to 2 heads; for 3 it is read from
-    memory (12 accumulators, the chunk and its scale fill the registers)."""
+def key_addressing(frame, keys):
+    """(hd4, kd, key_addr) for a tile of ``keys`` arena rows frame.kd bytes apart:
+    key_addr(base_lo, base_hi, key) is key ``key``'s address, keys 4.. counted from base_hi."""
     hd4, kd = gp(), gp()
     MOV(hd4, frame.hd4)
     MOV(kd, frame.kd)
@@ -168,10 +158,15 @@ def key_dots_q8(heads, keys, frame, k_rows):
         if index == 3:
             return [base + kd3 * 1]
         return [base + kd * index]
+    return hd4, kd, key_addr
 
-    accs = [ymms(keys) for _ in range(heads)]
-    for a in sum(accs, []):
-        VXORPS(a, a, a)
+
+def key_dots_q8(heads, keys, frame, k_rows):
+    """key_dots over q8_0 rows: each K chunk dequantized (its scale broadcast), then the f32
+    FMAs in the f32 order. q stays in registers for up to 2 heads; for 3 it is read from
+    memory (12 accumulators, the chunk and its scale fill the registers)."""
+    hd4, kd, key_addr = key_addressing(frame, keys)
+    accs = zeroed(heads, keys)
     qd, kp, ks = gp(), gp(), gp()
     MOV(qd, frame.q_heads)
     MOV(kp, k_rows)
@@ -221,25 +216,8 @@ def key_dots(heads, keys, frame, k_rows):
         return key_dots_q8(heads, keys, frame, k_rows)
     if not frame.half:
         return score_dots(heads, keys, frame, frame.q_heads, k_rows)
-    hd4, kd = gp(), gp()
-    MOV(hd4, frame.hd4)
-    MOV(kd, frame.kd)
-    if keys > 3:
-        kd3 = gp()
-        LEA(kd3, [kd + kd * 2])
-
-    def key_addr(base_lo, base_hi, key):
-        base = base_lo if key < 4 else base_hi
-        index = key % 4
-        if index == 0:
-            return [base]
-        if index == 3:
-            return [base + kd3 * 1]
-        return [base + kd * index]
-
-    accs = [ymms(keys) for _ in range(heads)]
-    for a in sum(accs, []):
-        VXORPS(a, a, a)
+    hd4, kd, key_addr = key_addressing(frame, keys)
+    accs = zeroed(heads, keys)
     qd, kp = gp(), gp()
     MOV(qd, frame.q_heads)
     MOV(kp, k_rows)
@@ -332,10 +310,8 @@ def emit_scores(heads, frame):
 def emit_pv_tile(heads, chunks, masked, frame):
     """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
     the key block's V rows found run by run through the block table. The first key block
-    stores, later blocks add to what out holds (as codegen/attention.py)."""
-    accs = [ymms(chunks) for _ in range(heads)]
-    for a in sum(accs, []):
-        VXORPS(a, a, a)
+    stores, later blocks add to what out holds."""
+    accs = zeroed(heads, chunks)
     probs, t = gp(), gp()
     MOV(probs, frame.kb_first)
     SHL(probs, 2)

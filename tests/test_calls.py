@@ -13,7 +13,6 @@ from hypothesis import given, strategies as st
 from helpers import nan_buffer, sizes, float_arrays
 from llambda.runtime import buffers, layout_float
 from llambda.runtime.plan import split_range
-import llambda.runtime.native.attention as native_attention
 import llambda.runtime.native.elementwise as native_elementwise
 import llambda.runtime.native.gemm as native_gemm
 from llambda.runtime.native._lib import kernel
@@ -109,16 +108,6 @@ def test_rope_token_ranges_match_the_op(native, ref, data, style, m, n_heads, he
                 x.shape, m)
 
 
-@given(st.data(), st.integers(1, 5), st.integers(1, 6), st.sampled_from([1, 7, 8, 9, 64, 65]))
-def test_kv_store_head_ranges_match_the_op(native, data, m, n_kv, head_dim):
-    n_ctx = m + 3
-    src = float_arrays(data.draw, (m, n_kv, head_dim))
-    positions = buffers.aligned_copy(data.draw(st.permutations(range(n_ctx)))[:m], np.int32)
-    check_split(lambda cache: native.kv_store(src, positions, cache),
-                lambda cache, h: native_elementwise.kv_store_call(src, positions, cache, heads=h),
-                (n_kv, n_ctx, head_dim), n_kv)
-
-
 # --------------------------------------------------------------------------- gemm
 
 @given(st.data(), st.sampled_from(["f32", "f16"]), st.sampled_from([1, 2, 6, 7, 13]),
@@ -159,30 +148,6 @@ def test_a_cache_blocked_gemm_is_several_calls(native, m, k):
         assert_same_bits(got, want)
 
 
-# --------------------------------------------------------------------------- attention
-
-@given(st.data(), st.sampled_from([(1, 1), (4, 2), (9, 3), (6, 1), (4, 1)]), st.sampled_from([1, 7, 8, 64, 65, 256]),
-       st.sampled_from([1, 2, 5]), st.sampled_from([0, 1, 30]), st.sampled_from([0, 1, 3, 32]))
-def test_attention_head_ranges_match_the_op(native, data, heads, head_dim, m, pos0, window):
-    n_head, n_kv = heads
-    n_ctx = pos0 + m + 2
-    q = float_arrays(data.draw, (m, n_head, head_dim), scale=1.0)
-    k_cache = float_arrays(data.draw, (n_kv, n_ctx, head_dim), scale=1.0)
-    v_cache = float_arrays(data.draw, (n_kv, n_ctx, head_dim))
-    scale = 1.0 / np.sqrt(head_dim)
-    scratch_of = {}                     # every share its own scratch, as every thread has
-
-    def scratch(heads):
-        if heads not in scratch_of:
-            scratch_of[heads] = native.attention_scratch(n_ctx)
-        return scratch_of[heads]
-
-    check_split(lambda out: native.attention(q, k_cache, v_cache, pos0, scale, out, scratch(None), window=window),
-                lambda out, h: native_attention.attention_call(q, k_cache, v_cache, pos0, scale, out,
-                                                               scratch(h), heads=h, window=window),
-                q.shape, n_head)
-
-
 # --------------------------------------------------------------------------- conventions
 
 def test_call_returns_the_symbol_and_the_c_arguments_in_order(native):
@@ -197,7 +162,7 @@ def test_call_returns_the_symbol_and_the_c_arguments_in_order(native):
 def test_call_functions_stay_out_of_the_backend_namespace(native, ref):
     for backend in (native, ref):
         assert not [name for name in vars(backend) if name.endswith(("_call", "_calls"))]
-    assert "kv_store" in vars(native) and "kv_store" in vars(ref)
+    assert "kv_store_paged" in vars(native) and "kv_store_paged" in vars(ref)
 
 
 def bad_split_cases():
@@ -206,11 +171,9 @@ def bad_split_cases():
     w8 = buffers.zeros(8)
     cos, sin = buffers.zeros((8, 8)), buffers.zeros((8, 8))
     tokens, positions = buffers.zeros((4, 2, 8)), buffers.aligned_copy([0, 1, 2, 3], np.int32)
-    cache = buffers.zeros((2, 8, 8))
     n = 40
     gx, gout = buffers.zeros((1, 8)), buffers.zeros((1, n))
     gw = layout_float.pack("F32", np.zeros((n, 8), np.float32), n, 8)
-    q, kv = buffers.zeros((1, 4, 8)), buffers.zeros((2, 8, 8))
     ew = native_elementwise
     return [
         (lambda s: ew.add_call(a, a, out, span=s), [
@@ -232,13 +195,8 @@ def bad_split_cases():
         (lambda r: ew.softmax_call(x, xout, rows=r), [((4, 5), "rows: expected 0 <= r0 < r1 <= 4")]),
         (lambda r: ew.rope_call(tokens, positions, cos, sin, "pairs", tokens, rows=r), [
             ((0, 5), "rows: expected 0 <= r0 < r1 <= 4"), ((1, None), r"rows\[1\]: expected an integer")]),
-        (lambda h: ew.kv_store_call(tokens, positions, cache, heads=h), [
-            ((0, 3), "heads: expected 0 <= h0 < h1 <= n_kv=2")]),
         (lambda r: native_gemm.gemm_f32_call(gx, gw, gout, rows=r), [
             ((8, 40), "rows: n0 must be a multiple of 16"), ((16, 41), "rows: expected 0 <= n0 < n1 <= 40")]),
-        (lambda h: native_attention.attention_call(q, kv, kv, 0, 1.0, buffers.zeros((1, 4, 8)),
-                                                   native_attention.attention_scratch(8), heads=h), [
-            ((3, 3), "heads: expected 0 <= h0 < h1 <= n_head=4"), ((0, 5), "heads: expected 0 <= h0 < h1")]),
     ]
 
 

@@ -288,49 +288,6 @@ def test_both_backends_export_the_same_rope_tables(native, ref):
     assert native.rope_tables is ref.rope_tables
 
 
-# --------------------------------------------------------------------------- KV cache store
-
-KV_HEAD_DIMS = st.one_of(st.sampled_from([1, 7, 8, 9, 64, 65]), st.integers(1, 130))
-
-
-def draw_kv_heads(data, n_kv):
-    """None (every head) or a drawn non-empty range of KV heads."""
-    if data.draw(st.booleans(), label="all heads"):
-        return None
-    h0 = data.draw(st.integers(0, n_kv - 1), label="h0")
-    return h0, data.draw(st.integers(h0 + 1, n_kv), label="h1")
-
-
-@given(st.data(), sizes(8, 40), st.integers(1, 4), KV_HEAD_DIMS, st.integers(1, 48))
-def test_kv_store_matches_reference(native, ref, data, m, n_kv, head_dim, extra_rows):
-    n_ctx = data.draw(st.integers(1, m + extra_rows), label="n_ctx")
-    src = float_arrays(data.draw, (m, n_kv, head_dim))
-    positions = buffers.aligned_copy(data.draw(st.lists(st.integers(0, n_ctx - 1), min_size=m, max_size=m),
-                                               label="positions"), np.int32)
-    heads = draw_kv_heads(data, n_kv)
-    got = nan_buffer((n_kv, n_ctx, head_dim))        # rows never written must stay NaN
-    want = got.copy()
-    ref.kv_store(src, positions, want, heads)
-    native.kv_store(src, positions, got, heads)
-    # a copy: bit for bit, NaN rows included (a repeated position keeps its later token)
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-def test_kv_store_reads_positions_when_it_runs(native):
-    """A recorded call stays valid as the position advances: the kernel reads positions[0]."""
-    from llambda.runtime.native.elementwise import kernel, kv_store_call
-    src = buffers.aligned_copy(np.arange(2 * 8, dtype=np.float32).reshape(1, 2, 8))
-    cache = nan_buffer((2, 5, 8))
-    positions = buffers.aligned_copy([0], np.int32)
-    symbol, args = kv_store_call(src, positions, cache)
-    for position in (0, 1, 4):
-        positions[0] = position
-        kernel(symbol)(*args)
-    for position in (0, 1, 4):
-        np.testing.assert_array_equal(cache[:, position], src[0])
-    assert np.isnan(cache[:, [2, 3]]).all()
-
-
 # --------------------------------------------------------------------------- bad arguments
 
 def test_elementwise_reject_bad_arguments(native):
@@ -456,41 +413,6 @@ def test_rope_rejects_bad_arguments(native, ref):
         ref.rope_tables(8, 8, 10000.0, "pairs", n_rot=10)
     with pytest.raises(ValueError, match="freq_factors: expected shape"):
         ref.rope_tables(8, 8, 10000.0, "pairs", freq_factors=[1.0, 2.0])
-    assert_still_working(native)
-
-
-def test_kv_store_rejects_bad_arguments(native):
-    src = buffers.zeros((2, 3, 8))
-    positions = buffers.aligned_copy([0, 5], np.int32)
-    cache = buffers.zeros((3, 6, 8))
-    read_only = buffers.zeros((3, 6, 8))
-    read_only.flags.writeable = False
-    flat = buffers.zeros(3 * 6 * 8)
-    bad = [
-        (dict(src=buffers.zeros((2, 3, 8), np.float64)), "src: expected dtype float32"),
-        (dict(src=buffers.zeros((2, 24))), "src: expected 3 dimensions"),
-        (dict(src=buffers.zeros(2 * 3 * 8 + 1)[1:].reshape(2, 3, 8)), "src: data must be 32-byte aligned"),
-        (dict(src=buffers.zeros((2, 3, 16))[:, :, ::2]), "src: array must be C-contiguous"),
-        (dict(positions=buffers.aligned_copy([0, 5], np.int64)), "positions: expected dtype int32"),
-        (dict(positions=buffers.aligned_copy([0, 1, 2], np.int32)), "positions: expected shape"),
-        (dict(positions=buffers.aligned_copy([0, 6], np.int32)), r"positions: expected values in \[0, 6\)"),
-        (dict(positions=buffers.aligned_copy([-1, 0], np.int32)), r"positions: expected values in \[0, 6\)"),
-        (dict(cache=buffers.zeros((2, 6, 8))), "cache: expected shape"),
-        (dict(cache=buffers.zeros((3, 6, 9))), "cache: expected shape"),
-        (dict(cache=buffers.zeros((3, 6, 8), np.float16)), "cache: expected dtype float32"),
-        (dict(cache=read_only), "cache: array is read-only"),
-        (dict(src=flat[:48].reshape(2, 3, 8), cache=flat.reshape(3, 6, 8)), "cache: overlaps src"),
-        (dict(heads=(1, 1)), r"heads: expected 0 <= h0 < h1 <= n_kv=3"),
-        (dict(heads=(0, 4)), r"heads: expected 0 <= h0 < h1 <= n_kv=3"),
-        (dict(heads=(-1, 2)), r"heads: expected 0 <= h0 < h1"),
-        (dict(heads=2), "heads: expected a pair"),
-        (dict(heads=(0, 2.0)), r"heads\[1\]: expected an integer"),
-    ]
-    for changes, message in bad:
-        args = dict(src=src, positions=positions, cache=cache, heads=None)
-        args.update(changes)
-        with pytest.raises(ValueError, match=message):
-            native.kv_store(**args)
     assert_still_working(native)
 
 

@@ -3,17 +3,19 @@
 Every step mixes sequences: 1..3 sequences whose blocks are a shuffled, non-contiguous
 subset of the arena; rows (m 1..~20) each pick a sequence and a position, so decode rows
 and prefill chunks share one call. Shapes: (n_head, n_kv) with groups of 1, 2, 3, 4 and
-6 (every head tile, and a group split across tiles); head_dim 1, 7, 8, 9, 64, 65, 80
-(masked tails, whole chunks, both); sequence lengths 1, KV_BLOCK - 1 .. KV_BLOCK + 1 and
+6 (every head tile, and a group split across tiles); head_dim 1, 7, 8, 9, 64, 65, 80, 256
+(masked tails, whole chunks, both, Gemma 3's 256); sequence lengths 1, KV_BLOCK - 1 .. KV_BLOCK + 1 and
 up to ~300 (many blocks, the P V key blocks of 64). Arena rows no row may read (past a
 sequence's end, before every window, blocks of no sequence) are NaN, so a stray read
 shows; out starts NaN, so an unwritten element shows.
 
-Tolerance (attention): as tests/test_attention.py, from the score error bound: a score
-error d moves out by at most ~2d max|v|, float scores have |d| <= (head_dim/8 + 5) u
-scale sum|q k|, exact (small-integer) scores d = 0; plus 1e-5 max|v| for exp, the sums
-and 1/sum. The kernel is moreover bit-identical to the contiguous ``attention`` kernel over
-the same keys (same passes, same reductions): tested directly.
+Tolerance (attention), from the score error bound: a score error d changes every p_j by a
+factor within exp(+-2d), so out moves by at most ~2d max|v|; float scores are dot products
+of head_dim terms summed per lane (head_dim/8 FMAs) then over 8 lanes, times scale:
+|d| <= (head_dim/8 + 5) u scale sum|q k|; exact (small-integer) scores, with a power-of-two
+scale, have d = 0 (scores up to ~8000 then test the max-subtraction at full precision).
+On top, 1e-5 max|v| for exp (< 1 ulp), the sums and 1/sum, and sum_j p_j v_j (random-walk
+rounding).
 
 float16 arenas (head_dim % 8 == 0): bit-identical to the f32 kernel on the rounded values,
 stores rounded as numpy's astype; against the f64 reference on unrounded values the bound
@@ -29,7 +31,7 @@ from llambda.runtime import buffers
 from llambda.runtime.step_indices import check_step_indices
 
 HEAD_CONFIGS = [(1, 1), (2, 1), (4, 2), (9, 3), (6, 1), (4, 1), (3, 3)]
-HEAD_DIMS = [1, 7, 8, 9, 64, 65, 80]
+HEAD_DIMS = [1, 7, 8, 9, 64, 65, 80, 256]
 U = 2.0 ** -24
 LENGTHS = st.one_of(st.sampled_from([1, 2, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK + 1]),
                     st.integers(1, 300))
@@ -100,7 +102,8 @@ def draw_step(data, window_too=False):
 
 
 def draw_values(data, n_head, n_kv, head_dim, step):
-    """q [m, n_head, head_dim], per-sequence keys and values, scale, exact (as test_attention)."""
+    """q [m, n_head, head_dim], per-sequence keys and values, scale, exact: either float data at a
+    drawn magnitude, or small integers and a power-of-two scale (scores float32 computes exactly)."""
     m = len(step.positions)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     exact = data.draw(st.booleans(), label="exact scores")
@@ -200,34 +203,6 @@ def test_a_row_depends_only_on_its_own_query_and_keys(native, data):
         if heads[0] < heads[1]:
             attend(q, step.positions, step.row_seq, heads=heads, out=by_heads)
     np.testing.assert_array_equal(by_heads, whole)
-
-
-@settings(max_examples=25)
-@given(st.data())
-def test_paged_equals_the_contiguous_kernel_bit_for_bit(native, data):
-    """One sequence in shuffled blocks, rows at pos0 .. pos0 + m - 1 (a prefill chunk, or a
-    decode row when m = 1): the same bits as ``attention`` over the contiguous cache."""
-    n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
-    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
-    m = data.draw(st.integers(1, 20), label="m")
-    pos0 = data.draw(st.one_of(st.sampled_from([0, KV_BLOCK - 1, KV_BLOCK]), st.integers(0, 250)), label="pos0")
-    window = data.draw(st.sampled_from([0, 0, 1, 5, KV_BLOCK, 40]), label="window")
-    n_ctx = pos0 + m
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    k_values = rng.standard_normal((n_kv, n_ctx, head_dim)).astype(np.float32)
-    v_values = rng.standard_normal((n_kv, n_ctx, head_dim)).astype(np.float32)
-    q = buffers.aligned_copy(rng.standard_normal((m, n_head, head_dim)), np.float32)
-    scale = 1.0 / np.sqrt(head_dim)
-    rows = [(0, pos0 + i) for i in range(m)]
-    step = Step(rng, n_kv, head_dim, [n_ctx], rows)            # every key stored (no window NaNs)
-    k_arena, v_arena = step.arena([k_values]), step.arena([v_values])
-
-    contiguous, paged = nan_buffer(q.shape), nan_buffer(q.shape)
-    native.attention(q, buffers.aligned_copy(k_values), buffers.aligned_copy(v_values), pos0, scale, contiguous,
-                     native.attention_scratch(n_ctx), window=window)
-    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, paged,
-                           scratch_for(native, step), window=window)
-    np.testing.assert_array_equal(paged, contiguous)
 
 
 @pytest.mark.parametrize("backend", ["native", "ref"])
@@ -591,18 +566,25 @@ def test_f16_arena_rejects_a_head_dim_off_the_chunk(native):
         native.kv_store_paged(buffers.zeros((1, 1, 12)), step.positions, step.row_seq, step.tables, arena)
 
 
-def test_f16_arena_long_context_tolerance(native, ref):
-    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
-    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
-    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
-    rng = np.random.default_rng(6)
+def long_context(seed):
+    """One sequence of 3000 keys in SmolLM2's shape (9 query / 3 KV heads, head_dim 64), rows at
+    its end, in the middle and near its start: (n_head, n_kv, head_dim, keys, values, rows, step,
+    q, scale)."""
+    rng = np.random.default_rng(seed)
     n_head, n_kv, head_dim, length = 9, 3, 64, 3000
     keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
     values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
     rows = [(0, length - 1), (0, 1234), (0, 15)]
     step = Step(rng, n_kv, head_dim, [length], rows)
     q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
-    scale = head_dim ** -0.5
+    return n_head, n_kv, head_dim, keys, values, rows, step, q, head_dim ** -0.5
+
+
+def test_f16_arena_long_context_tolerance(native, ref):
+    """An f16 cache against the float64 reference on the *unrounded* f32 keys and values, 3000
+    keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
+    by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
+    n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(6)
     k32, v32 = step.arena(keys), step.arena(values)
     k16, v16 = as_f16(k32), as_f16(v32)
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
@@ -618,28 +600,34 @@ def test_f16_arena_long_context_tolerance(native, ref):
             assert np.abs(got[i, h] - want[i, h]).max() <= bound
 
 
-def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encode):
+    """attention_paged and kv_store_paged on arrays that end at a guard page, arenas of
+    ``encode(f32 values)``: a read or write past any of them faults."""
     keep = []
-    rng = np.random.default_rng(8)
-    n_head, n_kv, head_dim, n_blocks = 4, 2, 64, 3
+    rng = np.random.default_rng(seed)
+    n_head, n_kv, n_blocks = 4, 2, 3
     tables = i32(rng.permutation(n_blocks)[None])
     positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
     shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
-    k16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
-    v16 = before_a_guard_page(rng.standard_normal(shape).astype(np.float16), keep)
+    k = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
+    v = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
     q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
     out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
     want = np.zeros(q.shape)
-    ref.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, want, None)
-    native.attention_paged(q, k16, v16, positions, row_seq, tables, 0.125, out,
+    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None)
+    native.attention_paged(q, k, v, positions, row_seq, tables, 0.125, out,
                            native.paged_attention_scratch(n_blocks * KV_BLOCK))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(shape, np.float16), keep)
-    expected = np.zeros(shape, np.float16)
+    arena = before_a_guard_page(np.zeros(k.shape, k.dtype), keep)
+    expected = np.zeros(k.shape, k.dtype)
     ref.kv_store_paged(src, positions, row_seq, tables, expected)
     native.kv_store_paged(src, positions, row_seq, tables, arena)
     np.testing.assert_array_equal(arena, expected)
+
+
+def test_f16_ops_touch_nothing_past_their_arrays(native, ref):
+    check_ops_touch_nothing_past_their_arrays(native, ref, 8, 64, lambda x: x.astype(np.float16))
 
 
 # ---------------------------------------------------------------- q8_0 arenas
@@ -717,14 +705,7 @@ def test_q8_arena_long_context_tolerance(native, ref):
     keys, SmolLM2's shape. Each element moves by <= d_b / 2 (d_b = max|x| / 127 of its block of
     32), so a score by <= scale sum_i |q_i| d_b(i) / 2 and out by <= 2 that max|v| + max d_v / 2."""
     from llambda.runtime.ref.paged import quantize_kv_q8
-    rng = np.random.default_rng(10)
-    n_head, n_kv, head_dim, length = 9, 3, 64, 3000
-    keys = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
-    values = [rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)]
-    rows = [(0, length - 1), (0, 1234), (0, 15)]
-    step = Step(rng, n_kv, head_dim, [length], rows)
-    q = buffers.aligned_copy(rng.standard_normal((len(rows), n_head, head_dim)) * 2, np.float32)
-    scale = head_dim ** -0.5
+    n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(10)
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
     native.attention_paged(q, k8, v8, step.positions, step.row_seq, step.tables, scale, got,
@@ -745,27 +726,7 @@ def test_q8_arena_long_context_tolerance(native, ref):
 
 
 def test_q8_ops_touch_nothing_past_their_arrays(native, ref):
-    keep = []
-    rng = np.random.default_rng(11)
-    n_head, n_kv, head_dim, n_blocks = 4, 2, 96, 3
-    tables = i32(rng.permutation(n_blocks)[None])
-    positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
-    shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
-    k8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
-    v8 = before_a_guard_page(as_q8(rng.standard_normal(shape).astype(np.float32)), keep)
-    q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
-    out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
-    want = np.zeros(q.shape)
-    ref.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, want, None)
-    native.attention_paged(q, k8, v8, positions, row_seq, tables, 0.125, out,
-                           native.paged_attention_scratch(n_blocks * KV_BLOCK))
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(k8.shape, np.uint8), keep)
-    expected = np.zeros(k8.shape, np.uint8)
-    ref.kv_store_paged(src, positions, row_seq, tables, expected)
-    native.kv_store_paged(src, positions, row_seq, tables, arena)
-    np.testing.assert_array_equal(arena, expected)
+    check_ops_touch_nothing_past_their_arrays(native, ref, 11, 96, as_q8)
 
 
 def test_q8_arena_rejects_bad_shapes(native):

@@ -160,6 +160,19 @@ def failure(c):
                     code="shutting_down")
 
 
+async def collected(served, run, request):
+    """(events, completion) of a run that does not stream, once it has ended; a completion that
+    neither stopped nor hit its length raises its ApiError."""
+    try:
+        events = await run.collect(request)
+    finally:
+        served.finished(run)
+    c = run.completion
+    if c.finish_reason not in ("stop", "length"):
+        raise failure(c)
+    return events, c
+
+
 MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
 
 
@@ -239,13 +252,7 @@ def create_app(model, model_id, aliases=(), served=None):
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
         if req.stream:
             return EventStream(chat_stream(served, run, req, head), served, run)
-        try:
-            events = await run.collect(request)
-        finally:
-            served.finished(run)
-        c = run.completion
-        if c.finish_reason not in ("stop", "length"):
-            raise failure(c)
+        events, c = await collected(served, run, request)
         logprobs = None
         if top is not None:
             logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
@@ -274,13 +281,7 @@ def create_app(model, model_id, aliases=(), served=None):
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             return EventStream(completion_stream(served, run, req, head, echo), served, run)
-        try:
-            events = await run.collect(request)
-        finally:
-            served.finished(run)
-        c = run.completion
-        if c.finish_reason not in ("stop", "length"):
-            raise failure(c)
+        events, c = await collected(served, run, request)
         logprobs = None
         if req.logprobs is not None:
             logprobs = CompletionLogprobs(served, len(echo))
@@ -316,6 +317,19 @@ class CompletionLogprobs:
                 "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
 
 
+def stream_end(c, last_chunk, base, include_usage):
+    """The SSE lines that end a stream: ``last_chunk(finish_reason)`` and the usage chunk, or
+    the error of a completion that neither stopped nor hit its length; then [DONE]."""
+    if c.finish_reason in ("stop", "length"):
+        yield last_chunk(c.finish_reason)
+        if include_usage:
+            yield sse(dict(base, choices=[], usage=usage(c)))
+    else:
+        e = failure(c)
+        yield sse(errors.error_body(e.message, e.type, e.param, e.code))
+    yield "data: [DONE]\n\n"
+
+
 async def chat_stream(served, run, req, head):
     c = run.completion
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -335,14 +349,8 @@ async def chat_stream(served, run, req, head):
                             logprobs={"content": [served.chat_logprob(event)], "refusal": None})
             elif event.text:
                 yield chunk({"content": event.text})
-        if c.finish_reason in ("stop", "length"):
-            yield chunk({}, c.finish_reason)
-            if include_usage:
-                yield sse(dict(base, choices=[], usage=usage(c)))
-        else:
-            e = failure(c)
-            yield sse(errors.error_body(e.message, e.type, e.param, e.code))
-        yield "data: [DONE]\n\n"
+        for line in stream_end(c, lambda reason: chunk({}, reason), base, include_usage):
+            yield line
     finally:
         served.finished(run)
 
@@ -369,13 +377,7 @@ async def completion_stream(served, run, req, head, echo):
             elif event.text:
                 yield chunk(event.text)
             offset += len(event.text)
-        if c.finish_reason in ("stop", "length"):
-            yield chunk("", c.finish_reason)
-            if include_usage:
-                yield sse(dict(base, choices=[], usage=usage(c)))
-        else:
-            e = failure(c)
-            yield sse(errors.error_body(e.message, e.type, e.param, e.code))
-        yield "data: [DONE]\n\n"
+        for line in stream_end(c, lambda reason: chunk("", reason), base, include_usage):
+            yield line
     finally:
         served.finished(run)

@@ -1,4 +1,4 @@
-"""Bindings: elementwise and row-wise FP32 kernels, and the KV cache store.
+"""Bindings: elementwise and row-wise FP32 kernels.
 
 Elementwise ops take arrays of any shape (same shape for every operand).
 Row-wise ops (rmsnorm, softmax) work on the last axis, one kernel call for all
@@ -12,8 +12,7 @@ as ints, float arguments as floats) instead of calling: what a plan
 (runtime/plan.py) records. Its split argument restricts the call to one
 thread's share: ``span=(i0, i1)``, an element range of the flattened arrays,
 for the elementwise ops (i0 a multiple of 16, so threads never write the same
-64-byte line); ``rows=(r0, r1)`` for the row-wise ops, add_bias and RoPE (tokens);
-``heads=(h0, h1)`` for kv_store (KV heads). The ``_call`` functions are not in
+64-byte line); ``rows=(r0, r1)`` for the row-wise ops, add_bias and RoPE (tokens). The ``_call`` functions are not in
 ``__all__``: the backend namespaces hold the ops only.
 """
 import numpy as np
@@ -22,7 +21,7 @@ from .. import validate as v
 from ..ref.elementwise import ROPE_STYLES, rope_tables
 from ._lib import address, checked_address, index_range, kernel
 
-__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
+__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables"]
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -274,36 +273,3 @@ def rope_calls(x, positions, cos, sin, style, out, row_ranges):
         calls.append((f"llb_rope_{style}_f32__avx2", [x_at + skip, positions_at + 4 * t0, cos_at, sin_at,
                                                       out_at + skip, t1 - t0, n_heads, head_dim]))
     return calls
-
-
-# --------------------------------------------------------------------------- KV cache
-
-def kv_store(src, positions, cache, heads=None):
-    """cache[h, positions[i], :] = src[i, h, :] for every token i and KV head h (of heads=(h0, h1)).
-
-    src f32 [m, n_kv, head_dim] (this step's K or V, after RoPE); positions
-    int32 [m]; cache f32 [n_kv, n_ctx, head_dim]. Rows of the cache at other
-    positions, and heads outside h0..h1-1, are untouched. If two tokens share a
-    position the later one wins."""
-    symbol, args = kv_store_call(src, positions, cache, heads)
-    kernel(symbol)(*args)
-
-
-def kv_store_call(src, positions, cache, heads=None):
-    """The kernel reads the positions from memory when it runs, so a decode plan
-    built once stays valid as the position advances (write positions[0] before
-    each run). The positions are checked here, once: a plan must keep them in
-    [0, n_ctx) itself, since the kernel trusts them."""
-    src_at = checked_address("src", src, F32, ndim=3)
-    m, n_kv, head_dim = src.shape
-    positions_at = checked_address("positions", positions, I32, (m,), align=4)
-    cache_at = checked_address("cache", cache, F32, (n_kv, None, head_dim), writable=True)
-    n_ctx = cache.shape[1]
-    _check_positions(positions, n_ctx, "the cache's rows")
-    for name, array in (("src", src), ("positions", positions)):
-        if np.may_share_memory(array, cache):
-            raise ValueError(f"cache: overlaps {name}, which the kernel reads while writing the cache")
-    h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
-    return "llb_kv_store_f32__avx2", [src_at + FLOAT_BYTES * head_dim * h0, positions_at,
-                                      cache_at + FLOAT_BYTES * n_ctx * head_dim * h0,
-                                      m, h1 - h0, head_dim, n_kv * head_dim, n_ctx]

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import buffers
 
-__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables", "kv_store"]
+__all__ = ["add", "scale", "exp", "silu_mul", "gelu_mul", "add_bias", "rmsnorm", "softmax", "rope", "rope_tables"]
 
 ROPE_STYLES = ("pairs", "halves")
 
@@ -155,12 +155,3 @@ def rope(x, positions, cos, sin, style, out):
     c = cos[positions][:, None, :].astype(np.float64)
     s = sin[positions][:, None, :].astype(np.float64)
     out[...] = x64 * c + rope_partner(x64, style) * s
-
-
-def kv_store(src, positions, cache, heads=None):
-    """cache[h, positions[i], :] = src[i, h, :] for tokens i in order (a repeated position: the
-    later token wins) and KV heads h in heads=(h0, h1), default all. src is [m, n_kv, head_dim],
-    cache [n_kv, n_ctx, head_dim]."""
-    h0, h1 = heads if heads is not None else (0, src.shape[1])
-    for i, position in enumerate(positions):
-        cache[h0:h1, position, :] = src[i, h0:h1, :]

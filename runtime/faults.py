@@ -44,6 +44,7 @@ _SA_ONSTACK = 0x08000000
 _lock = threading.Lock()
 _state = None                           # _Installed, or False where no handler can be had
 _messages = {}                          # slot -> bytes kept alive while the range is mapped
+_pending = []                           # slots whose mappings died, to forget under the lock
 
 
 def guard(mapping, path):
@@ -94,6 +95,7 @@ class _Installed:
 
     def add(self, start, end, message):
         with _lock:
+            self._drain()
             if not self.free:
                 return None
             slot = self.free.pop()
@@ -104,21 +106,39 @@ class _Installed:
             return slot
 
     def remove(self, slot):
-        with _lock:
-            self.used.pop(slot, None)
+        # Called from the finalizer of a dead mapping, which the garbage collector may run in
+        # the middle of add() on this thread (its allocations can trigger a collection): never
+        # wait for the lock, leave the slot for whoever holds it (add and remove drain it).
+        _pending.append(slot)
+        if not _lock.acquire(blocking=False):
+            return
+        try:
+            self._drain()
+        finally:
+            _lock.release()
+
+    def _drain(self):
+        """Forget the slots whose mappings died (the lock is held)."""
+        changed = False
+        while _pending:
+            slot = _pending.pop()
+            if self.used.pop(slot, None) is not None:
+                _messages.pop(slot, None)
+                self.free.append(slot)
+                changed = True
+        if changed:
             self._rewrite()
-            _messages.pop(slot, None)
-            self.free.append(slot)
 
     def _rewrite(self):
         # Live entries packed at the front; the count is written last (and lowered first),
         # so a handler running meanwhile only ever reads complete entries.
         table = self.table
         table[0] = 0
-        for i, entry in enumerate(self.used.values()):
+        entries = list(self.used.values())
+        for i, entry in enumerate(entries):
             base = _HEADER_WORDS + _ENTRY_WORDS * i
             table[base:base + _ENTRY_WORDS] = list(entry)
-        table[0] = len(self.used)
+        table[0] = len(entries)
 
 
 # ---------------------------------------------------------------- the handler's code

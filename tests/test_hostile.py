@@ -476,3 +476,25 @@ def test_metadata_of_the_wrong_shape_is_one_line(tiny_llb, tmp_path, edit):
     with pytest.raises(UserError, match="model metadata") as error:
         convert.info(forged)
     one_line(str(error.value))
+
+
+def test_a_mapping_that_dies_while_the_guard_table_is_written_does_not_deadlock():
+    """The garbage collector may finalize a dead mapping (faults.remove) in the middle of
+    faults.add on the same thread: remove must not wait for the lock add holds; the slot is
+    forgotten by the next add or remove."""
+    import threading
+    state = faults._install()
+    if not state:
+        pytest.skip("no SIGBUS guard on this machine")
+    slot = state.add(1 << 40, (1 << 40) + 4096, b"x\n")
+    done = threading.Event()
+    with faults._lock:                       # as if add() were running here
+        worker = threading.Thread(target=lambda: (state.remove(slot), done.set()))
+        worker.start()
+        assert done.wait(10)                 # returned at once, leaving the slot pending
+        assert slot in state.used
+    other = state.add(1 << 41, (1 << 41) + 4096, b"y\n")
+    starts = [entry[0] for entry in state.used.values()]
+    assert 1 << 40 not in starts and 1 << 41 in starts     # the next add drained it
+    state.remove(other)
+    assert 1 << 41 not in [entry[0] for entry in state.used.values()]

@@ -259,8 +259,14 @@ class Engine:
                 if len(self._running) >= self.net.max_seqs:
                     return
                 opened = kv.open(c.tokens, self._reserve(c))
-                if opened is None:
+                if opened is None and self._running:
                     return             # not enough free blocks now: it waits for a sequence to end
+                if opened is None:     # nothing will end and free blocks (evaluate()'s sequence holds them)
+                    self._waiting.popleft()
+                    c._finish("error", "error", UserError(
+                        f"the KV cache has no room for {kv.blocks_for(self._reserve(c))} more blocks "
+                        "(evaluate()'s own sequence holds the rest): use a larger kv_cache_mb"))
+                    continue
                 self._waiting.popleft()
                 self._running.append(c)
             c.table, c.blocks, c.keys, c.cached_tokens = opened

@@ -251,3 +251,15 @@ def test_a_model_nobody_holds_stops_its_threads(tiny):
     while ours() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not ours()
+
+
+def test_a_request_that_can_never_fit_ends_with_an_error_instead_of_waiting(tiny):
+    from llambda.kv_pool import KVPool
+    with llambda.load(tiny, n_ctx=64, progress=False) as probe:
+        block = KVPool.block_bytes(probe.config, probe.net.kv.kv_type)
+    with llambda.load(tiny, n_ctx=64, kv_cache_mb=6.5 * block / 2 ** 20, progress=False) as model:
+        model.evaluate([1, 2, 3])            # evaluate()'s sequence takes 4 of the 5 blocks
+        c = model.submit(prompt(30, seed=0), max_tokens=10, ignore_eos=True)
+        assert c.wait(TIMEOUT_S) and c.finish_reason == "error"
+        with pytest.raises(UserError, match="KV cache has no room"):
+            list(c)

@@ -241,7 +241,13 @@ def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
         a_rows.advance(4 * steps)
         panels.advance(step_bytes * steps)
 
-    unrolled = Loop(_unique("k_unrolled"))
+    emit_k_loops(count, k_step, advance, "k")
+
+
+def emit_k_loops(count, k_step, advance, name):
+    """``count`` k steps in k order: K_UNROLL at a time (``k_step(u)`` for u < K_UNROLL,
+    then ``advance(K_UNROLL)``), then one at a time; ``count`` is consumed."""
+    unrolled = Loop(_unique(f"{name}_unrolled"))
     CMP(count, K_UNROLL)
     JB(unrolled.end)
     with unrolled:
@@ -252,7 +258,7 @@ def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
         CMP(count, K_UNROLL)
         JAE(unrolled.begin)
 
-    single = Loop(_unique("k_single"))
+    single = Loop(_unique(f"{name}_single"))
     TEST(count, count)
     JZ(single.end)
     with single:

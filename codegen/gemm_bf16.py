@@ -24,12 +24,12 @@ every load stays inside it) whose store keeps columns < ncols through two ymm ma
 """
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, RETURN,
                             VXORPS, VMOVUPS, VMOVAPS, VMASKMOVPS, VPBROADCASTD, VEXTRACTF64X4, VZEROUPPER,
-                            PREFETCHT0, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ)
+                            PREFETCHT0, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ)
 
 from .common import Kernel, symbol, tail_mask
 from .contract import PANEL as NR
-from .gemm import (K_UNROLL, PREFETCH_DISTANCE, SIGNATURE_TAIL, TILINGS, UPPER_ZMM, Globals, PanelPointers,
-                   RowPointers, _unique, emit_rows)
+from .gemm import (PREFETCH_DISTANCE, SIGNATURE_TAIL, TILINGS, UPPER_ZMM, Globals, PanelPointers,
+                   RowPointers, _unique, emit_k_loops, emit_rows)
 from .peachpy_ext import VDPBF16PS, upper_zmm_function
 
 ISAS = ("avx512",)
@@ -57,24 +57,7 @@ def emit_k_loop(acc, a_rows, panels, count, prefetch=True):
         a_rows.advance(4 * steps)
         panels.advance(STEP_BYTES * steps)
 
-    unrolled = Loop(_unique("bf16_k_unrolled"))
-    CMP(count, K_UNROLL)
-    JB(unrolled.end)
-    with unrolled:
-        for u in range(K_UNROLL):
-            k_step(u)
-        advance(K_UNROLL)
-        SUB(count, K_UNROLL)
-        CMP(count, K_UNROLL)
-        JAE(unrolled.begin)
-    single = Loop(_unique("bf16_k_single"))
-    TEST(count, count)
-    JZ(single.end)
-    with single:
-        k_step(0)
-        advance(1)
-        SUB(count, 1)
-        JNZ(single.begin)
+    emit_k_loops(count, k_step, advance, "bf16_k")
 
 
 def emit_tile(rows, n_panels, a_row, w_panel, out_row, g, args, column_bytes=0, owns_w_panel=False, edge=False):

@@ -12,10 +12,12 @@ message to stderr with write(2) and ends the process with exit_group(135), 128 +
 as if the signal had killed it. It calls no libc function and touches no Python state:
 everything it needs (the messages) is prepared when a file is mapped.
 
-The handler is x86-64 code generated with PeachPy (``_emit``): its bytes are built once
-and cached in the user cache beside the kernel library, keyed by this module's source, so
-a load imports no PeachPy. Where neither PeachPy nor the cached bytes exist, or on another
-platform, ``guard`` does nothing and a SIGBUS ends the process as before.
+The handler is x86-64 code generated with PeachPy (``_emit``), keyed by this module's
+source (``handler_name``). A wheel ships its bytes beside the packaged kernel library
+(codegen/wheel_hook.py writes them), so an install without PeachPy has the handler; a
+checkout builds them once into the user cache. Either way a load imports no PeachPy. Where
+neither the bytes nor PeachPy exist, or on another platform, ``guard`` does nothing and a
+SIGBUS ends the process as before.
 
 Table layout (u64 words), at a fixed address patched into the handler's code::
 
@@ -185,24 +187,45 @@ def _emit():
     return bytes(function.finalize(abi.system_v_x86_64_abi).encode().code_section.content)
 
 
-def _cache_path():
-    from .paths import cache_dir
+def handler_name():
+    """The file name of this module's handler bytes: keyed by its source, so bytes built from
+    another version of it are never taken."""
     with open(__file__, "rb") as f:
         key = hashlib.sha256(f.read()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"sigbus-handler-{key}.bin"
+    return f"sigbus-handler-{key}.bin"
+
+
+def _packaged_path():
+    # runtime/library.py's PACKAGED_DIR, without importing it (and numpy) here
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", handler_name())
+
+
+def _cache_path():
+    from .paths import cache_dir
+    return cache_dir() / "kernels" / handler_name()
+
+
+def _read_code(path):
+    try:
+        with open(path, "rb") as f:
+            code = f.read()
+    except OSError:
+        return None
+    return code if struct.pack("<Q", _PLACEHOLDER) in code else None
 
 
 def _handler_code():
-    """The handler's bytes: from the cache, else generated (and cached); None when neither."""
+    """The handler's bytes: packaged with a wheel, else from the cache, else generated (and
+    cached); None when none of these."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
+    code = _read_code(_packaged_path())
+    if code is not None:
+        return code
     path = _cache_path()
-    try:
-        code = path.read_bytes()
-        if struct.pack("<Q", _PLACEHOLDER) in code:
-            return code
-    except OSError:
-        pass
+    code = _read_code(path)
+    if code is not None:
+        return code
     try:
         code = _emit()
     except ImportError:

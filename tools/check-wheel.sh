@@ -64,6 +64,14 @@ print("".join(model.generate(sys.argv[2], max_tokens=16, temperature=0)))
 case $text in *Paris*) ;; *) fail "llambda.load().generate: no Paris in: $text" ;; esac
 echo "check-wheel: import llambda: $prompt$text" | head -1
 
-if [ -e "$tmp/cache/kernels" ]; then fail "a kernel library was built into the cache"; fi
+# The SIGBUS guard (runtime/faults.py) runs on the handler bytes the wheel ships: without
+# PeachPy there is nothing else to install it from.
+quiet bare python -c '
+import os, sys
+from llambda.runtime import faults
+if not os.path.exists(faults._packaged_path()) or not faults._install():
+    sys.exit("no SIGBUS handler packaged: " + faults._packaged_path())
+'
+if [ -e "$tmp/cache/kernels" ]; then fail "a kernel library or SIGBUS handler was built into the cache"; fi
 echo "$version" | sed "s|^|check-wheel: |"
 echo "check-wheel: $(basename "$wheel") works in a bare venv"

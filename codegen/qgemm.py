@@ -645,6 +645,65 @@ def emit_row_q8_0(r, weights, d_w, correction, bias, total):
     emit_row_scale(r, acc, d_w, total)
 
 
+# Kinds whose AVX-512 tiles run their rows INTERLEAVED_ROWS at a time (emit_rows_interleaved).
+INTERLEAVED_KINDS = (Q4_1, Q8_0)
+INTERLEAVED_ROWS = 4
+
+
+def emit_rows_interleaved(r, kind, weights, d_w, extra, constant, totals):
+    """The block's rows as emit_row_q4_1 / emit_row_q8_0 compute them, INTERLEAVED_ROWS rows at
+    a time: their int32 dot products chunk by chunk (one vpdpbusd of each row in turn, so
+    that four independent chains hide vpdpbusd's latency, where a row's eight form one
+    chain), then each row's f32 operations, unchanged and in the same order. The int32 sums
+    are exact whatever the order, so every row's result keeps its bits.
+
+    Activation rows of a sub-tile at [row + 0|stride], [row2 + 0|stride] (row2 = row + 2
+    strides): ``r.spare`` serves as row2 and, for the f32 part, as the scale-row offset, and
+    ``r.rows_left`` (which the tile saves: every GP register is taken) as row."""
+    row = r.rows_left
+    MOV(row, r.act)
+    for start in range(0, len(totals), INTERLEAVED_ROWS):
+        sub = totals[start:start + INTERLEAVED_ROWS]
+        accs = [ZMMRegister() for _ in sub]
+        for acc in accs:
+            zero(acc)
+        if len(sub) > 2:
+            LEA(r.spare, [row + r.row_stride * 2])
+        addresses = [[row], [row + r.row_stride * 1], [r.spare], [r.spare + r.row_stride * 1]][:len(sub)]
+
+        def at(i, offset):
+            return broadcast([addresses[i][0] + offset])
+
+        if kind is Q4_1:
+            for c, (low, high) in enumerate(weights):
+                for i, acc in enumerate(accs):
+                    VPDPBUSD(acc, low, at(i, CHUNK * c))
+                for i, acc in enumerate(accs):
+                    VPDPBUSD(acc, high, at(i, BLOCK // 2 + CHUNK * c))
+        else:
+            for c, w in enumerate(weights):
+                for i, acc in enumerate(accs):
+                    biased = ZMMRegister()
+                    VPXORD(biased, constant, at(i, CHUNK * c))
+                    VPDPBUSD(acc, biased, w)
+        if start + INTERLEAVED_ROWS < len(totals):
+            LEA(row, [row + r.row_stride * 4])
+        # the f32 part: scale-row offsets of this sub-tile's rows
+        if start:
+            multiply(r.spare, r.scale_stride, start)
+        else:
+            XOR(r.spare, r.spare)
+        for i, (acc, total) in enumerate(zip(accs, sub)):
+            if kind is Q4_1:
+                emit_row_scale(r, acc, d_w, total)
+                VFMADD231PS(total, extra, broadcast([r.act_sum + r.spare * 1]))
+            else:
+                VPSUBD(acc, acc, extra)
+                emit_row_scale(r, acc, d_w, total)
+            if i + 1 < len(sub):
+                ADD(r.spare, r.scale_stride)
+
+
 def emit_row_scale(r, acc, d_w, total):
     scale = ZMMRegister()
     VCVTDQ2PS(acc, acc)
@@ -661,6 +720,10 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         masks = Q5Masks(r, kind)
     else:
         constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
+    rows_left = None
+    if kind in INTERLEAVED_KINDS:
+        rows_left = LocalVariable(8)
+        MOV(rows_left, r.rows_left)
     count_blocks(r)
     with Loop() as blocks:
         if rows <= 2 and kind in FIVE_BIT:
@@ -673,18 +736,24 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
             weights, d_w, m_w = load_block_q4_1(r, constant)
         else:
             weights, d_w, correction = load_block_q8_0(r, constant)
-        # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
-        XOR(r.spare, r.spare)
-        for i, total in enumerate(totals):
-            if kind is Q4_1 or kind in FIVE_BIT:
-                emit_row_q4_1(r, weights, d_w, m_w, total)
-            else:
-                emit_row_q8_0(r, weights, d_w, correction, constant, total)
-            if i + 1 < rows:
-                ADD(r.spare, r.scale_stride)
+        if kind in INTERLEAVED_KINDS:
+            extra = m_w if kind is Q4_1 else correction
+            emit_rows_interleaved(r, kind, weights, d_w, extra, constant, totals)
+        else:
+            # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
+            XOR(r.spare, r.spare)
+            for i, total in enumerate(totals):
+                if kind is Q4_1 or kind in FIVE_BIT:
+                    emit_row_q4_1(r, weights, d_w, m_w, total)
+                else:
+                    emit_row_q8_0(r, weights, d_w, correction, constant, total)
+                if i + 1 < rows:
+                    ADD(r.spare, r.scale_stride)
         advance_blocks(r, kind)
         SUB(r.blocks_left, 1)
         JNZ(blocks.begin)
+    if rows_left is not None:
+        MOV(r.rows_left, rows_left)
     rewind_blocks(r, kind)
     store_tile_avx512(r, totals, ldo_bytes, name)
 

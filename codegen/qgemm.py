@@ -648,6 +648,9 @@ def emit_row_q8_0(r, weights, d_w, correction, bias, total):
 # Kinds whose AVX-512 tiles run their rows INTERLEAVED_ROWS at a time (emit_rows_interleaved).
 INTERLEAVED_KINDS = (Q4_1, Q8_0)
 INTERLEAVED_ROWS = 4
+# Their tiles of at most this many rows stream the weights (a step of few rows is bound by
+# reading them): they prefetch both groups' quants as the decode GEMV does.
+STREAMING_ROWS = 8
 
 
 def emit_rows_interleaved(r, kind, weights, d_w, extra, constant, totals):
@@ -729,6 +732,8 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         if rows <= 2 and kind in FIVE_BIT:
             # five-bit kinds decode (m < 4) on these tiles too (runtime/native/quant.py): stream
             # both groups (m = 3 prefetches twice, the 1-row tile's lines already cached)
+            prefetch_quants(r, kind, pair=True)
+        elif rows <= STREAMING_ROWS and kind in INTERLEAVED_KINDS:
             prefetch_quants(r, kind, pair=True)
         if kind in FIVE_BIT:
             weights, d_w, m_w = load_block_q5(r, kind, masks)

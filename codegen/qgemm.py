@@ -137,6 +137,9 @@ class Tiling:
     remainders: tuple
     exact: bool
     aliasing_kinds: tuple = ()
+    # the full sizes after the first run only where activation rows alias (else the rows
+    # left go straight to the remainders)
+    later_full_only_aliasing: bool = False
 
     @property
     def rows(self):
@@ -159,6 +162,14 @@ ALIASING_BYTES = 4096
 TILINGS = {"avx2": Tiling(full=(6,), groups=1, remainders=(1, 2, 3, 4, 5), exact=True),
            "avx512": Tiling(full=(16, 8), groups=2, remainders=(4, 2, 1), exact=False,
                             aliasing_kinds=("q4_1",))}
+# q4_1 and q8_0 (whose AVX-512 tiles interleave rows, emit_rows_interleaved) have a tile for
+# every row count below 16, so that the rows a group pair has left (a serving step of 2..15
+# rows, or the end of a prefill) take one pass over its weights, which they unpack once,
+# rather than up to four passes of 8, 4, 2 and 1 rows.
+EXACT_REMAINDERS = tuple(range(15, 0, -1))
+KIND_TILINGS = {("q4_1", "avx512"): Tiling(full=(16, 8), groups=2, remainders=EXACT_REMAINDERS, exact=True,
+                                           aliasing_kinds=("q4_1",), later_full_only_aliasing=True),
+                ("q8_0", "avx512"): Tiling(full=(16,), groups=2, remainders=EXACT_REMAINDERS, exact=True)}
 
 
 class Registers:
@@ -197,6 +208,7 @@ class Family:
     weights: tuple = ("wq", "wscale")
     reads_asum: bool = True
     frame: object = None
+    kind_tilings: dict = None     # (kind name, isa) -> a Tiling other than the ISA's
 
 
 # --------------------------------------------------------------------------- driver (both ISAs)
@@ -205,7 +217,7 @@ def emit_qgemm(kind, isa, family=None):
     """The kernel of ``kind`` for ``isa`` on the tiles of ``family`` (default: this module's;
     codegen/qgemm_kquant.py's walk super-blocks, codegen/qgemm_k16.py's add a third weight array)."""
     family = family or FAMILY
-    tiling = family.tilings[isa]
+    tiling = (family.kind_tilings or {}).get((kind.name, isa)) or family.tilings[isa]
     open_function = function if isa == "avx2" else upper_zmm_function
     emit_tile = family.tiles[isa]
     fn, args = open_function(qgemm_symbol(kind.name, tiling.name, isa), family.signature, isa)
@@ -249,10 +261,14 @@ def emit_qgemm(kind, isa, family=None):
             if kind.name in tiling.aliasing_kinds:
                 TEST(r.row_stride, ALIASING_BYTES - 1)
                 JZ(smaller_tiles)
+            remainders = Label("remainders")
             for i, rows in enumerate(tiling.full):
                 emit_full_tiles(r, kind, rows, emit_tile, ldo_bytes)
                 if i == 0:
+                    if tiling.later_full_only_aliasing:
+                        JMP(remainders)
                     LABEL(smaller_tiles)
+            LABEL(remainders)
             emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes)
 
             for pointer, per_block in r.weight_strides(kind):
@@ -289,7 +305,7 @@ def emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes):
         else:
             TEST(r.rows_left, rows)
             JZ(skip)
-        emit_tile(r, kind, rows, ldo_bytes, f"tile{rows}")
+        emit_tile(r, kind, rows, ldo_bytes, f"rest{rows}" if rows in tiling.full else f"tile{rows}")
         if tiling.exact:
             JMP(group_done)
         else:
@@ -958,7 +974,8 @@ def _f32_bits(value):
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS)
+FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS,
+                kind_tilings=KIND_TILINGS)
 
 
 def emit(isa):

@@ -30,7 +30,8 @@ def main(argv=None):
     ap.add_argument("--kinds", default="Q4_1,Q8_0")
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--shapes", help="n x k, comma-separated (default: the model's)")
-    ap.add_argument("--isa", help="qgemm variant (default: the binding's choice for m)")
+    ap.add_argument("--isa", action="append",
+                    help="qgemm variant (repeatable: one column each; default: the binding's choice for m)")
     ap.add_argument("--lib", action="append", help="kernel library .so to time (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=0.15, help="seconds per figure per round")
@@ -44,7 +45,9 @@ def main(argv=None):
     from bench_kernels import _copy, _random_weight
 
     libs = args.lib or [str(library.load("avx2").directory / "libllambda.so")]
+    isas = args.isa or [None]
     dlls = [ctypes.CDLL(path) for path in libs]
+    variants = [(dll, isa) for dll in dlls for isa in isas]
     shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
     rng = np.random.default_rng(0)
 
@@ -64,8 +67,9 @@ def main(argv=None):
             runs += 1
         return top
 
-    print("| kind | m | n x k | isa | " + " | ".join(f"lib{i} GOP/s | lib{i} GB/s" for i in range(len(libs))) + " |")
-    print("|---|---:|---|---|" + "---:|---:|" * len(libs))
+    names = [f"lib{i}" + (f" {isa}" if isa else "") for i in range(len(libs)) for isa in isas]
+    print("| kind | m | n x k | isa | " + " | ".join(f"{v} GOP/s | {v} GB/s" for v in names) + " |")
+    print("|---|---:|---|---|" + "---:|---:|" * len(variants))
     for n, k in shapes:
         for kind in args.kinds.split(","):
             w = _random_weight(kind, n, k, rng)
@@ -75,15 +79,18 @@ def main(argv=None):
                 qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // 32)), buffers.empty((m, k // 32))
                 quant.quantize_q8(x, qs, d, s)
                 out = buffers.empty((m, n))
-                calls = [quant.qgemm_call(qs, d, s, c, out, isa=args.isa) for c in copies]
-                symbol = calls[0][0]
-                arglists = [a for _, a in calls]
-                # an empty call: the same symbol on 8 columns of one block
-                tiny = list(arglists[0])
-                tiny[-4:] = [1, 1, 1, n]
-                times = [[] for _ in dlls]
+                runs = []
+                for isa in isas:
+                    calls = [quant.qgemm_call(qs, d, s, c, out, isa=isa) for c in copies]
+                    arglists = [a for _, a in calls]
+                    # an empty call: the same symbol on 8 columns of one block
+                    tiny = list(arglists[0])
+                    tiny[-4:] = [1, 1, 1, n]
+                    runs.append((calls[0][0], arglists, tiny))
+                times = [[] for _ in variants]
                 for _ in range(args.rounds):
-                    for i, dll in enumerate(dlls):
+                    for i, (dll, isa) in enumerate(variants):
+                        symbol, arglists, tiny = runs[isas.index(isa)]
                         f = fn(dll, symbol)
                         empty = best(f, [tiny] * 64, 0.02)
                         times[i].append(best(f, arglists, args.budget) - empty)
@@ -91,7 +98,7 @@ def main(argv=None):
                 for t in times:
                     t = min(t)
                     cells += [f"{2 * m * n * k / t / 1e9:.0f}", f"{w.nbytes / t / 1e9:.1f}"]
-                isa = symbol.rsplit("__", 1)[1]
+                isa = "/".join(run[0].rsplit("__", 1)[1] for run in runs)
                 print(f"| {kind} | {m} | {n}x{k} | {isa} | " + " | ".join(cells) + " |", flush=True)
 
 

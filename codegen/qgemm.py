@@ -52,6 +52,15 @@ each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py) --
 except for the five-bit kinds, whose AVX2 unpacking is ALU-bound: their 1-row
 tile prefetches both streams and decodes.
 
+q4_1 and q8_0 (KIND_TILINGS, emit_rows_interleaved), the kinds of a serving
+step of a few rows: their tiles pass the rows four at a time, chunk by chunk,
+so that four vpdpbusd chains are in flight rather than one row's chain of
+eight; the rows left after the 16-row tiles (1..15) take one tile of exactly
+that many rows, one pass over the group pair's weights (unpacked once) where
+tiles of 8, 4, 2 and 1 took up to four; tiles of up to 8 rows prefetch both
+groups' quants, since a step of few rows streams its weights. They take the
+AVX-512 tiles from m = 3 on.
+
 Loop order: row groups outside, activation row tiles inside. One group's
 weights (k/32 blocks of 160 bytes for q4_1: 20 KB at k = 4096) stay in L1
 while every tile of MR activation rows streams past, so a prefill reads the

@@ -34,6 +34,7 @@ def main(argv=None):
                     help="qgemm variant (repeatable: one column each; default: the binding's choice for m)")
     ap.add_argument("--lib", action="append", help="kernel library .so to time (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hot", action="store_true", help="one copy of the weight (cache-resident when it fits)")
     ap.add_argument("--budget", type=float, default=0.15, help="seconds per figure per round")
     args = ap.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv=None):
     for n, k in shapes:
         for kind in args.kinds.split(","):
             w = _random_weight(kind, n, k, rng)
-            copies = [w] + [_copy(w) for _ in range(-(-STREAM_BYTES // w.nbytes) - 1)]
+            copies = [w] + [_copy(w) for _ in range(0 if args.hot else -(-STREAM_BYTES // w.nbytes) - 1)]
             for m in [int(x) for x in args.ms.split(",")]:
                 x = buffers.aligned_copy(rng.standard_normal((m, k), dtype=np.float32))
                 qs, d, s = buffers.empty((m, k), np.int8), buffers.empty((m, k // 32)), buffers.empty((m, k // 32))

@@ -52,6 +52,15 @@ each, and a cold GEMV streams slower than AVX2's (runtime/native/quant.py) --
 except for the five-bit kinds, whose AVX2 unpacking is ALU-bound: their 1-row
 tile prefetches both streams and decodes.
 
+q4_1 and q8_0 (KIND_TILINGS, emit_rows_interleaved), the kinds of a serving
+step of a few rows: their tiles pass the rows four at a time, chunk by chunk,
+so that four vpdpbusd chains are in flight rather than one row's chain of
+eight; the rows left after the 16-row tiles (1..15) take one tile of exactly
+that many rows, one pass over the group pair's weights (unpacked once) where
+tiles of 8, 4, 2 and 1 took up to four; tiles of up to 8 rows prefetch both
+groups' quants, since a step of few rows streams its weights. They take the
+AVX-512 tiles from m = 3 on.
+
 Loop order: row groups outside, activation row tiles inside. One group's
 weights (k/32 blocks of 160 bytes for q4_1: 20 KB at k = 4096) stay in L1
 while every tile of MR activation rows streams past, so a prefill reads the
@@ -137,6 +146,9 @@ class Tiling:
     remainders: tuple
     exact: bool
     aliasing_kinds: tuple = ()
+    # the full sizes after the first run only where activation rows alias (else the rows
+    # left go straight to the remainders)
+    later_full_only_aliasing: bool = False
 
     @property
     def rows(self):
@@ -159,6 +171,14 @@ ALIASING_BYTES = 4096
 TILINGS = {"avx2": Tiling(full=(6,), groups=1, remainders=(1, 2, 3, 4, 5), exact=True),
            "avx512": Tiling(full=(16, 8), groups=2, remainders=(4, 2, 1), exact=False,
                             aliasing_kinds=("q4_1",))}
+# q4_1 and q8_0 (whose AVX-512 tiles interleave rows, emit_rows_interleaved) have a tile for
+# every row count below 16, so that the rows a group pair has left (a serving step of 2..15
+# rows, or the end of a prefill) take one pass over its weights, which they unpack once,
+# rather than up to four passes of 8, 4, 2 and 1 rows.
+EXACT_REMAINDERS = tuple(range(15, 0, -1))
+KIND_TILINGS = {("q4_1", "avx512"): Tiling(full=(16, 8), groups=2, remainders=EXACT_REMAINDERS, exact=True,
+                                           aliasing_kinds=("q4_1",), later_full_only_aliasing=True),
+                ("q8_0", "avx512"): Tiling(full=(16,), groups=2, remainders=EXACT_REMAINDERS, exact=True)}
 
 
 class Registers:
@@ -197,6 +217,7 @@ class Family:
     weights: tuple = ("wq", "wscale")
     reads_asum: bool = True
     frame: object = None
+    kind_tilings: dict = None     # (kind name, isa) -> a Tiling other than the ISA's
 
 
 # --------------------------------------------------------------------------- driver (both ISAs)
@@ -205,7 +226,7 @@ def emit_qgemm(kind, isa, family=None):
     """The kernel of ``kind`` for ``isa`` on the tiles of ``family`` (default: this module's;
     codegen/qgemm_kquant.py's walk super-blocks, codegen/qgemm_k16.py's add a third weight array)."""
     family = family or FAMILY
-    tiling = family.tilings[isa]
+    tiling = (family.kind_tilings or {}).get((kind.name, isa)) or family.tilings[isa]
     open_function = function if isa == "avx2" else upper_zmm_function
     emit_tile = family.tiles[isa]
     fn, args = open_function(qgemm_symbol(kind.name, tiling.name, isa), family.signature, isa)
@@ -249,10 +270,14 @@ def emit_qgemm(kind, isa, family=None):
             if kind.name in tiling.aliasing_kinds:
                 TEST(r.row_stride, ALIASING_BYTES - 1)
                 JZ(smaller_tiles)
+            remainders = Label("remainders")
             for i, rows in enumerate(tiling.full):
                 emit_full_tiles(r, kind, rows, emit_tile, ldo_bytes)
                 if i == 0:
+                    if tiling.later_full_only_aliasing:
+                        JMP(remainders)
                     LABEL(smaller_tiles)
+            LABEL(remainders)
             emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes)
 
             for pointer, per_block in r.weight_strides(kind):
@@ -289,7 +314,7 @@ def emit_remainder_tiles(r, kind, tiling, emit_tile, ldo_bytes):
         else:
             TEST(r.rows_left, rows)
             JZ(skip)
-        emit_tile(r, kind, rows, ldo_bytes, f"tile{rows}")
+        emit_tile(r, kind, rows, ldo_bytes, f"rest{rows}" if rows in tiling.full else f"tile{rows}")
         if tiling.exact:
             JMP(group_done)
         else:
@@ -645,6 +670,68 @@ def emit_row_q8_0(r, weights, d_w, correction, bias, total):
     emit_row_scale(r, acc, d_w, total)
 
 
+# Kinds whose AVX-512 tiles run their rows INTERLEAVED_ROWS at a time (emit_rows_interleaved).
+INTERLEAVED_KINDS = (Q4_1, Q8_0)
+INTERLEAVED_ROWS = 4
+# Their tiles of at most this many rows stream the weights (a step of few rows is bound by
+# reading them): they prefetch both groups' quants as the decode GEMV does.
+STREAMING_ROWS = 8
+
+
+def emit_rows_interleaved(r, kind, weights, d_w, extra, constant, totals):
+    """The block's rows as emit_row_q4_1 / emit_row_q8_0 compute them, INTERLEAVED_ROWS rows at
+    a time: their int32 dot products chunk by chunk (one vpdpbusd of each row in turn, so
+    that four independent chains hide vpdpbusd's latency, where a row's eight form one
+    chain), then each row's f32 operations, unchanged and in the same order. The int32 sums
+    are exact whatever the order, so every row's result keeps its bits.
+
+    Activation rows of a sub-tile at [row + 0|stride], [row2 + 0|stride] (row2 = row + 2
+    strides): ``r.spare`` serves as row2 and, for the f32 part, as the scale-row offset, and
+    ``r.rows_left`` (which the tile saves: every GP register is taken) as row."""
+    row = r.rows_left
+    MOV(row, r.act)
+    for start in range(0, len(totals), INTERLEAVED_ROWS):
+        sub = totals[start:start + INTERLEAVED_ROWS]
+        accs = [ZMMRegister() for _ in sub]
+        for acc in accs:
+            zero(acc)
+        if len(sub) > 2:
+            LEA(r.spare, [row + r.row_stride * 2])
+        addresses = [[row], [row + r.row_stride * 1], [r.spare], [r.spare + r.row_stride * 1]][:len(sub)]
+
+        def at(i, offset):
+            return broadcast([addresses[i][0] + offset])
+
+        if kind is Q4_1:
+            for c, (low, high) in enumerate(weights):
+                for i, acc in enumerate(accs):
+                    VPDPBUSD(acc, low, at(i, CHUNK * c))
+                for i, acc in enumerate(accs):
+                    VPDPBUSD(acc, high, at(i, BLOCK // 2 + CHUNK * c))
+        else:
+            for c, w in enumerate(weights):
+                for i, acc in enumerate(accs):
+                    biased = ZMMRegister()
+                    VPXORD(biased, constant, at(i, CHUNK * c))
+                    VPDPBUSD(acc, biased, w)
+        if start + INTERLEAVED_ROWS < len(totals):
+            LEA(row, [row + r.row_stride * 4])
+        # the f32 part: scale-row offsets of this sub-tile's rows
+        if start:
+            multiply(r.spare, r.scale_stride, start)
+        else:
+            XOR(r.spare, r.spare)
+        for i, (acc, total) in enumerate(zip(accs, sub)):
+            if kind is Q4_1:
+                emit_row_scale(r, acc, d_w, total)
+                VFMADD231PS(total, extra, broadcast([r.act_sum + r.spare * 1]))
+            else:
+                VPSUBD(acc, acc, extra)
+                emit_row_scale(r, acc, d_w, total)
+            if i + 1 < len(sub):
+                ADD(r.spare, r.scale_stride)
+
+
 def emit_row_scale(r, acc, d_w, total):
     scale = ZMMRegister()
     VCVTDQ2PS(acc, acc)
@@ -661,11 +748,17 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
         masks = Q5Masks(r, kind)
     else:
         constant = broadcast_constant(r, NIBBLE_BYTES if kind is Q4_1 else BIAS_BYTES)
+    rows_left = None
+    if kind in INTERLEAVED_KINDS:
+        rows_left = LocalVariable(8)
+        MOV(rows_left, r.rows_left)
     count_blocks(r)
     with Loop() as blocks:
         if rows <= 2 and kind in FIVE_BIT:
             # five-bit kinds decode (m < 4) on these tiles too (runtime/native/quant.py): stream
             # both groups (m = 3 prefetches twice, the 1-row tile's lines already cached)
+            prefetch_quants(r, kind, pair=True)
+        elif rows <= STREAMING_ROWS and kind in INTERLEAVED_KINDS:
             prefetch_quants(r, kind, pair=True)
         if kind in FIVE_BIT:
             weights, d_w, m_w = load_block_q5(r, kind, masks)
@@ -673,18 +766,24 @@ def emit_tile_avx512(r, kind, rows, ldo_bytes, name):
             weights, d_w, m_w = load_block_q4_1(r, constant)
         else:
             weights, d_w, correction = load_block_q8_0(r, constant)
-        # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
-        XOR(r.spare, r.spare)
-        for i, total in enumerate(totals):
-            if kind is Q4_1 or kind in FIVE_BIT:
-                emit_row_q4_1(r, weights, d_w, m_w, total)
-            else:
-                emit_row_q8_0(r, weights, d_w, correction, constant, total)
-            if i + 1 < rows:
-                ADD(r.spare, r.scale_stride)
+        if kind in INTERLEAVED_KINDS:
+            extra = m_w if kind is Q4_1 else correction
+            emit_rows_interleaved(r, kind, weights, d_w, extra, constant, totals)
+        else:
+            # the row walker counts scale-row bytes: activation bytes are 8x that (k = 32 kb)
+            XOR(r.spare, r.spare)
+            for i, total in enumerate(totals):
+                if kind is Q4_1 or kind in FIVE_BIT:
+                    emit_row_q4_1(r, weights, d_w, m_w, total)
+                else:
+                    emit_row_q8_0(r, weights, d_w, correction, constant, total)
+                if i + 1 < rows:
+                    ADD(r.spare, r.scale_stride)
         advance_blocks(r, kind)
         SUB(r.blocks_left, 1)
         JNZ(blocks.begin)
+    if rows_left is not None:
+        MOV(r.rows_left, rows_left)
     rewind_blocks(r, kind)
     store_tile_avx512(r, totals, ldo_bytes, name)
 
@@ -884,7 +983,8 @@ def _f32_bits(value):
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS)
+FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_avx512}, tilings=TILINGS,
+                kind_tilings=KIND_TILINGS)
 
 
 def emit(isa):

@@ -22,6 +22,7 @@ from llambda.runtime.ref import kquants, kquants16
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 SUPER_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 # row counts of the register tiles: AVX2 6 (3 for the 16-weight K-quants), AVX-512 16 then 8
+# (q4_1 and q8_0: 16, then one tile of the rows left; test_every_row_count_gives_each_row_its_bits)
 TILE_ROWS = sorted({6, 8, 16, 32, *(int(t["avx2"].split("x")[0]) for t in QGEMM_KIND_TILES.values())})
 TILE_EDGES = sorted({e for t in TILE_ROWS for e in (t - 1, t, t + 1)} | {1, 2, 3, 4, 5})
 m_sizes = st.sampled_from(TILE_EDGES) | st.integers(1, 40)
@@ -94,6 +95,23 @@ def test_a_row_does_not_depend_on_its_batch(native, data, type_name, m, other_m,
         native.qgemm(qs, d, s, w, part, rows=(n0, n1), isa=isa)
         np.testing.assert_array_equal(bits(part[:, n0:n1]), bits(alone[:, n0:n1]),
                                       err_msg=f"{label}: columns {n0}..{n1}")
+
+
+def test_every_row_count_gives_each_row_its_bits(native):
+    """q4_1 and q8_0 have an AVX-512 tile for every row count (codegen/qgemm.py KIND_TILINGS):
+    for each m up to 33 rows (two 16-row tiles and one more), the first m rows of a batch
+    equal those rows computed one at a time on AVX2; at k = 4096 q4_1 takes 8-row tiles."""
+    n = 25                                      # two group pairs and a lone last group
+    for type_name, k in (("Q4_1", 96), ("Q4_1", 4096), ("Q8_0", 96)):
+        w = layouts.pack(type_name, raw_weight(type_name, n, k, k, 1.0), n, k)
+        x = np.random.default_rng(k).standard_normal((33, k)).astype(np.float32)
+        alone = np.concatenate([qgemm_on(native, "avx2", *quantized(native, x[i:i + 1]), w) for i in range(33)])
+        for isa in n_quant.qgemm_isas(w.kind) + (None,):
+            for m in range(1, 34):
+                batch = np.empty((m, n), np.float32)
+                native.qgemm(*quantized(native, x[:m]), w, batch, isa=isa)
+                np.testing.assert_array_equal(bits(batch), bits(alone[:m]),
+                                              err_msg=f"{type_name} k={k} isa={isa or 'chosen'} m={m}")
 
 
 @given(st.data(), st.sampled_from(sorted(embed_kinds())), m_sizes, st.integers(1, 40))

@@ -77,6 +77,36 @@ def test_qgemm_rows_a_page_apart(native, ref, isa, type_name, m):
     np.testing.assert_array_equal(got, qgemm_on(native, "avx2", qs, d, s, w))
 
 
+# AVX-512 q4_1 / q8_0 (codegen/qgemm.py KIND_TILINGS): 16-row tiles, then one tile of exactly
+# the rows left (1..15), rows interleaved four at a time; q4_1 runs 8-row tiles instead of
+# 16-row ones where activation rows lie 4096 bytes apart (k = 4096).
+every_row_count = st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 19, 31, 32, 33, 47, 48, 49])
+n_not_whole_pairs = st.sampled_from([1, 8, 9, 15, 17, 24, 31, 40]) | st.integers(1, 70)
+
+
+@given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), every_row_count, n_not_whole_pairs,
+       st.sampled_from([32, 64, 576, 4096]) | st.integers(1, 24).map(lambda b: BLOCK * b))
+def test_qgemm_tile_of_every_row_count(native, ref, wide_isa, data, type_name, m, n, k):
+    """Each row count's tile against the reference, and bit for bit against the AVX2 baseline
+    (whose tiles are 6 rows and 1..5): one block and many, an odd last row group."""
+    w = drawn_weight(data.draw, type_name, n, k)
+    qs, d, s = quantized_activations(native, data.draw, m, k)
+    got, want = qgemm_both(native, ref, qs, d, s, w, wide_isa)
+    assert_close_to_reference(got, want, magnitude_bound(qs, d, w))
+    np.testing.assert_array_equal(got, qgemm_on(native, "avx2", qs, d, s, w))
+
+
+def test_qgemm_picks_avx512_from_three_rows_for_q4_1_and_q8_0(native):
+    """The tiles above stream both groups with a prefetch: from m = 3 rows on the binding
+    picks them (m = 1, 2 stay on AVX2); other kinds keep AVX512_MIN_ROWS."""
+    from llambda.runtime.native import quant as n_quant
+    if n_quant.widest_qgemm_isa("q4_1") != "avx512":
+        pytest.skip("the AVX-512 qgemm kernels do not run here (or LLAMBDA_ISA caps them)")
+    picks = {(kind, m): n_quant._qgemm_isa(None, m, kind) for kind in ("q4_1", "q8_0") for m in (1, 2, 3, 4)}
+    assert picks == {(kind, m): ("avx2" if m < 3 else "avx512") for kind in ("q4_1", "q8_0") for m in (1, 2, 3, 4)}
+    assert n_quant._qgemm_isa(None, 3, "q6_k") == "avx2"
+
+
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), st.integers(1, 40), st.sampled_from([32, 96]))
 def test_rows_is_dequantize_of_those_rows(data, type_name, n, k):
     w = drawn_weight(data.draw, type_name, n, k)
@@ -178,8 +208,8 @@ def test_qgemm_rejects_an_unknown_or_unavailable_isa(native, monkeypatch):
     native.qgemm(qs, d, s, w, out, isa="avx2")
 
 
-@pytest.mark.parametrize("cap, m, expected", [(None, 16, "avx512"), (None, 3, "avx2"), ("avx2", 16, "avx2"),
-                                              ("avx512", 4, "avx512")])
+@pytest.mark.parametrize("cap, m, expected", [(None, 16, "avx512"), (None, 2, "avx2"), (None, 3, "avx512"),
+                                              ("avx2", 16, "avx2"), ("avx512", 4, "avx512")])
 def test_qgemm_chooses_the_widest_variant_that_pays(native, monkeypatch, cap, m, expected):
     runnable(expected)
     n, k = 16, 32

@@ -2,7 +2,7 @@
 """Kernel benchmark: llambda's kernels on the shapes of real models, beside numpy
 (OpenBLAS) and the machine's own ceilings, as ratios. One thread.
 
-    tools/bench_kernels.py [--quick] [--markdown] [--kinds Q4_K,Q5_K] [--ms 1,16]
+    tools/bench_kernels.py [--quick] [--markdown] [--kinds Q4_K,Q5_K] [--ms 1,16] [--shapes 192x576]
 
 GEMM rows report GFLOP/s (2*m*n*k per call; for the int8 kernels the "ops"
 are the same multiply-adds) and % of the FMA or INT8 peak; m = 1 rows report
@@ -73,6 +73,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="skip the 4096x4096 and 49152x576 shapes")
     ap.add_argument("--kinds", help="comma-separated weight kinds to run (default: all)")
     ap.add_argument("--ms", help="comma-separated activation row counts m (default: 1,16,128,512)")
+    ap.add_argument("--shapes", help="comma-separated n x k weight shapes, e.g. 192x576 (default: the list above)")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",") if args.kinds else KINDS
     ms = [int(m) for m in args.ms.split(",")] if args.ms else MS
@@ -97,6 +98,8 @@ def main(argv=None):
     print("|---|---:|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     shapes = SHAPES[:3] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     for n, k in shapes:
         for kind in kinds:
             if kind in SUPER_BLOCK_KINDS and k % 256:

@@ -34,6 +34,10 @@ ISA_CAP = "LLAMBDA_ISA"
 # With few activation rows it is memory-bound and streams slower (cold GEMV, m = 1: ~25
 # vs ~33 GB/s; m = 2 ~18 vs ~24); from m = 4 on it is as fast or faster (m = 8: ~2x).
 AVX512_MIN_ROWS = 4
+# ... or fewer for kinds whose AVX-512 tiles prefetch both groups and have a tile for every
+# row count (codegen/qgemm.py KIND_TILINGS): from m = 3 on they stream as fast or faster
+# (one pass of 3 rows where AVX2 runs a 3-row tile too); at m = 2 AVX2 stays ahead.
+AVX512_MIN_ROWS_BY_KIND = {"q4_1": 3, "q8_0": 3}
 # ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
 # their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
 # each block's scales formed once for 16 columns) prefetch all their streams and are not.
@@ -140,7 +144,7 @@ def widest_qgemm_isa(kind=None):
 def _qgemm_isa(isa, m, kind=None):
     if isa is None:
         widest = widest_qgemm_isa(kind)
-        few_rows = m < AVX512_MIN_ROWS and kind not in AVX512_DECODE_KINDS
+        few_rows = m < AVX512_MIN_ROWS_BY_KIND.get(kind, AVX512_MIN_ROWS) and kind not in AVX512_DECODE_KINDS
         return "avx2" if widest == "avx512" and few_rows else widest
     if isa not in qgemm_isas(kind):
         raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "

@@ -101,7 +101,7 @@ class Model:
         limits.check_context_memory(self.config, n_ctx, kv_bytes=kv_blocks * block,
                                     option="--kv-cache-mb" if kv_cache_mb is not None else "--ctx")
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
-                                    max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type)
+                                    max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type, source=path)
         self.parallel = parallel
         self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path)
         # the engine thread holds the network, not this object: a Model nobody holds any more

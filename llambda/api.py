@@ -21,7 +21,7 @@ DEFAULT_CTX = 2048
 
 
 def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None, parallel=1,
-         max_waiting=64, kv_cache_mb=None, kv_type=None):
+         max_waiting=64, kv_cache_mb=None, kv_type=None, warm_when_idle=False):
     """Load a model: a GGUF (converted on first use, then cached), a converted llambda
     file, or the name of a fetchable model (`llambda fetch --list`).
 
@@ -31,10 +31,13 @@ def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, ch
     parallel: how many sequences generate at once (each step runs all of them); the KV
     cache holds that many full contexts, unless kv_cache_mb bounds it (sequences then wait
     for room). kv_type: how the cache stores K and V, "f16" (the default), "f32" or "q8_0".
-    max_waiting: submissions beyond this many waiting raise EngineBusy."""
+    max_waiting: submissions beyond this many waiting raise EngineBusy. warm_when_idle: when
+    the engine has had nothing to do for a moment, it makes the plans of the step shapes it
+    has not run yet, one at a time, so that a prompt of a new length does not wait for one
+    (`llambda chat` does this between turns)."""
     return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
                  chat_template=chat_template, parallel=parallel, max_waiting=max_waiting,
-                 kv_cache_mb=kv_cache_mb, kv_type=kv_type)
+                 kv_cache_mb=kv_cache_mb, kv_type=kv_type, warm_when_idle=warm_when_idle)
 
 
 def load_tokenizer(path):
@@ -54,7 +57,8 @@ class Model:
     queue sequences for the engine thread, which runs up to ``parallel`` of them per step."""
 
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
-                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None):
+                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None,
+                 warm_when_idle=False):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
@@ -103,7 +107,8 @@ class Model:
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
                                     max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type, source=path)
         self.parallel = parallel
-        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path)
+        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path,
+                             warm_when_idle=warm_when_idle)
         # the engine thread holds the network, not this object: a Model nobody holds any more
         # stops its threads (close() does it at once)
         weakref.finalize(self, self.engine.close)

@@ -118,6 +118,7 @@ class TransformerModel:
         self.pool = None
         self._plans = {}
         self._plan_key_parts = self._plan_key_base = None
+        self._shapes = None                   # step_shapes(), once asked
         self._direct_table = None             # forward()'s own sequence, once used
         self.threads = threads if threads is not None else 1
         if backend.runs_plans:
@@ -275,6 +276,12 @@ class TransformerModel:
         for m, h in todo:
             self._plan(m, h)
         return len(todo)
+
+    def cold_shape(self):
+        """A step shape whose plan is not made yet (the smallest), or None."""
+        if self._shapes is None:
+            self._shapes = self.step_shapes()
+        return next((s for s in self._shapes if s not in self._plans), None)
 
     def profile(self):
         """A context in which every plan run is timed, op by op, through the normal path:

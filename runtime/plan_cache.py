@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 MAGIC = b"LLBPLAN\x01"
 _HEAD = struct.Struct("<8sQI4x")       # magic, length of the JSON header, CRC32 of header + payload
 CACHE_SUBDIR = "plans"
-MAX_FILES = 256                         # the oldest beyond this many are removed when one is stored
+MAX_BYTES = 256 << 20                   # the least recently used beyond this are removed when one is stored
 
 
 class NotCacheable(ValueError):
@@ -139,7 +139,11 @@ def freeze(plan, ops, named, scratch):
         pointers = _pointer_words(records, chunks, first_chunk, symbols, chunk_op)
     except ValueError as error:
         raise NotCacheable(str(error)) from None
-    pos = pointers[words[pointers] != 0]            # NULL stays NULL
+    if np.any(words[pointers] == 0):               # a stored offset 0 must mean a region's start
+        raise NotCacheable("a pointer argument is NULL")
+    pos = pointers
+    if len(pos) and not len(regions.starts):
+        raise NotCacheable("pointers, and no named buffer")
     found = words[pos]
     group = np.searchsorted(regions.starts, found, side="right").astype(np.int64) - 1
     inside = (group >= 0) & (found <= regions.ends[np.maximum(group, 0)])
@@ -217,8 +221,7 @@ def thaw(header, payload, named):
     chunk_op = _chunk_ops(first_chunk, records, n_chunks)
     words = np.concatenate([records["int_args"].reshape(-1), chunks["int_args"].reshape(-1)])
     pointers = _pointer_words(records, chunks, first_chunk, symbols, chunk_op)
-    nulls = np.setdiff1d(pointers, pos, assume_unique=True)
-    if len(pointers) - len(nulls) != n_reloc or np.any(words[nulls] != 0):
+    if not np.array_equal(pointers, pos):
         raise ValueError("relocations are not the pointer arguments")
     if n_reloc and (group.min() < 0 or group.max() >= len(stored)):
         raise ValueError("relocations name no region")
@@ -331,10 +334,15 @@ def load(key, named):
         return None
     try:
         header, payload = decode(data, key)
-        return thaw(header, payload, named)
+        kept = thaw(header, payload, named)
     except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error):
         _remove(path)
         return None
+    try:
+        os.utime(path)                  # recently used: pruned last
+    except OSError:
+        pass
+    return kept
 
 
 def store(key, plan, ops, named, scratch):
@@ -363,12 +371,20 @@ def _remove(path):
         pass
 
 
-def _prune(directory, keep=MAX_FILES):
-    """Remove the oldest plan files beyond ``keep`` (keys of code since edited pile up)."""
+def _prune(directory, budget=MAX_BYTES):
+    """Remove the least recently used plan files beyond ``budget`` bytes in all (keys of
+    code since edited, and of models no longer loaded, pile up otherwise)."""
     try:
-        entries = [(e.stat().st_mtime_ns, e.path) for e in os.scandir(directory) if e.name.endswith(".plan")]
+        entries = []
+        for e in os.scandir(directory):
+            if e.name.endswith(".plan"):
+                st = e.stat()
+                entries.append((st.st_mtime_ns, st.st_size, e.path))
     except OSError:
         return
-    if len(entries) > keep:
-        for _, path in sorted(entries)[:len(entries) - keep]:
-            _remove(Path(path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= budget:
+            break
+        _remove(Path(path))
+        total -= size

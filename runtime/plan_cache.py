@@ -26,6 +26,7 @@ these is removed and the plan recorded again. Files are written atomically
 same plan each write a whole file, the last one winning.
 """
 import json
+import mmap
 import os
 import struct
 import sys
@@ -200,11 +201,13 @@ def thaw(header, payload, named):
     symbols = [table[i] for i in index.tolist()]
     arity = [tuple(a) for a in np.frombuffer(payload, np.int32, 2 * n_ops, at[5]).reshape(n_ops, 2).tolist()]
     first_chunk = [None if f == -1 else f for f in np.frombuffer(payload, np.int64, n_ops, at[6]).tolist()]
-    ops = LazyOps(memoryview(payload)[at[7]:at[8]])
+    ops = LazyOps(bytes(payload[at[7]:at[8]]))           # a copy: the file's bytes are not kept
     scratch = [buffers.zeros(int(size), np.dtype(dtype)) for size, dtype in header["scratch"]]
     regions = Regions(list(named) + [(f"scratch[{i}]", a) for i, a in enumerate(scratch)])
-    records = np.frombuffer(payload, RECORD, n_ops * n_threads, at[0]).reshape(n_ops, n_threads).copy()
-    chunks = np.frombuffer(payload, RECORD, n_chunks, at[1]).copy()
+    # the records go straight into the plan's own buffers, and are moved there in place
+    plan = Plan.from_parts(n_threads, np.frombuffer(payload, RECORD, n_ops * n_threads, at[0]).reshape(n_ops, n_threads),
+                           np.frombuffer(payload, RECORD, n_chunks, at[1]), arity, first_chunk, symbols)
+    records, chunks = plan.parts()[:2]
     pos = np.frombuffer(payload, np.int64, n_reloc, at[2])
     group = np.frombuffer(payload, np.int32, n_reloc, at[3])
     # the stored regions, as this process has them
@@ -219,18 +222,18 @@ def thaw(header, payload, named):
     if np.any((records["fn"] != 0) & (records["fn"] != 1)) or np.any(chunks["fn"] != 1):
         raise ValueError("kernel flags")
     chunk_op = _chunk_ops(first_chunk, records, n_chunks)
-    words = np.concatenate([records["int_args"].reshape(-1), chunks["int_args"].reshape(-1)])
     pointers = _pointer_words(records, chunks, first_chunk, symbols, chunk_op)
     if not np.array_equal(pointers, pos):
         raise ValueError("relocations are not the pointer arguments")
     if n_reloc and (group.min() < 0 or group.max() >= len(stored)):
         raise ValueError("relocations name no region")
-    if np.any(words[pos] > size[group]):
-        raise ValueError("an offset lies outside its region")
-    words[pos] += new_start[group]
     n_rec = records["int_args"].size
-    records["int_args"] = words[:n_rec].reshape(records["int_args"].shape)
-    chunks["int_args"] = words[n_rec:].reshape(chunks["int_args"].shape)
+    for args, sel, shift in ((records["int_args"], pos < n_rec, 0), (chunks["int_args"], pos >= n_rec, n_rec)):
+        where = np.unravel_index(pos[sel] - shift, args.shape)
+        g = group[sel]
+        if np.any(args[where] > size[g]):
+            raise ValueError("an offset lies outside its region")
+        args[where] += new_start[g]
     addresses = []
     for symbol, (n_int, n_float) in zip(symbols, arity):
         address, want_int, want_float = _symbol_address(symbol)
@@ -241,7 +244,6 @@ def thaw(header, payload, named):
     records["fn"] = np.where(records["fn"] != 0, addresses[:, None], 0)
     if n_chunks:
         chunks["fn"] = addresses[chunk_op]
-    plan = Plan.from_parts(n_threads, records, chunks, arity, first_chunk, symbols)
     return plan, ops, scratch
 
 
@@ -329,15 +331,20 @@ def load(key, named):
     file is removed)."""
     path = path_for(key)
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")
     except OSError:
         return None
     try:
+        with f:
+            # mapped, not read: no big heap buffer that the allocator would keep resident
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         header, payload = decode(data, key)
         kept = thaw(header, payload, named)
-    except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error):
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error, OSError):
         _remove(path)
         return None
+    finally:
+        data = payload = None           # the mapping goes with its last view
     try:
         os.utime(path)                  # recently used: pruned last
     except OSError:

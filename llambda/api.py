@@ -79,6 +79,7 @@ class Model:
             path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
+        _prefault(weights, self.config)
         self.tokenizer = convert.build_tokenizer(path, tokenizer_md)
         # Ids from n_vocab on have an embedding row but are no token to produce
         self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
@@ -262,6 +263,18 @@ class Model:
         ``.as_dict()``). Empties the KV cache."""
         from .profile import profile_decode
         return profile_decode(self, tokens=tokens, prefill=prefill)
+
+
+def _prefault(weights, config):
+    """Map the weights the first step reads whole (all but an untied embedding, of which it
+    reads a row per token) into the page tables now, on another core (runtime/prefault.py)."""
+    from llambda.runtime import prefault
+    arrays = []
+    for name, w in weights.items():
+        if name == "token_embd.weight" and not config.tied_embeddings:
+            continue
+        arrays.extend(w.arrays.values() if hasattr(w, "arrays") else [w])
+    prefault.populate_async(arrays)
 
 
 def vocabulary_size(tokens, rows):

@@ -119,6 +119,7 @@ class TransformerModel:
         self._plans = {}
         self._plan_key_parts = self._plan_key_base = None
         self._shapes = None                   # step_shapes(), once asked
+        self._storing = []                    # threads writing plans to the disk cache
         self._direct_table = None             # forward()'s own sequence, once used
         self.threads = threads if threads is not None else 1
         if backend.runs_plans:
@@ -135,6 +136,9 @@ class TransformerModel:
     def close(self):
         if self.pool is not None:
             self.pool.close()
+        for storing in self._storing:        # a plan being kept is written whole before exit
+            storing.join(timeout=10)
+        self._storing = []
 
     # -- running --------------------------------------------------------------
     def step(self, m, h):
@@ -212,9 +216,15 @@ class TransformerModel:
         self._head(rec, lin, h)
         rec.finish()
         if self.source is not None:
+            # kept on disk by another thread (the write ends with an fsync): the step that wants
+            # the plan runs meanwhile; the records are not written to again
+            import threading
             from llambda.runtime import plan_cache
-            plan_cache.store(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
-                             [s for s in rec._scratch if s is not None])
+            storing = threading.Thread(target=plan_cache.store, name="llambda-plan-store", daemon=True,
+                                       args=(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
+                                             [s for s in rec._scratch if s is not None]))
+            storing.start()
+            self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 
     def _kept_plan(self, m, h):

@@ -42,6 +42,7 @@ FORMAT_VERSION = 1
 MAGIC = b"LLBPLAN\x01"
 _HEAD = struct.Struct("<8sQI4x")       # magic, length of the JSON header, CRC32 of header + payload
 CACHE_SUBDIR = "plans"
+MAX_SCRATCH = 1 << 31                   # floats in one attention scratch at most (a forged size is refused)
 MAX_BYTES = 256 << 20                   # the least recently used beyond this are removed when one is stored
 
 
@@ -115,6 +116,8 @@ def freeze(plan, ops, named, scratch):
     """``(header dict, payload bytes)`` of ``plan`` with its addresses relative to the
     regions of ``named`` and ``scratch`` (arrays the plan owns, allocated again on load).
     Raises NotCacheable."""
+    if not all(a.dtype == np.float32 and a.ndim == 1 and 0 < a.size <= MAX_SCRATCH for a in scratch):
+        raise NotCacheable("a scratch buffer that is not a flat float32 array")
     regions = Regions(list(named) + [(f"scratch[{i}]", a) for i, a in enumerate(scratch)])
     records, chunks, arity, first_chunk, symbols = plan.parts()
     if any(s is None for s in symbols):
@@ -202,7 +205,9 @@ def thaw(header, payload, named):
     arity = [tuple(a) for a in np.frombuffer(payload, np.int32, 2 * n_ops, at[5]).reshape(n_ops, 2).tolist()]
     first_chunk = [None if f == -1 else f for f in np.frombuffer(payload, np.int64, n_ops, at[6]).tolist()]
     ops = LazyOps(bytes(payload[at[7]:at[8]]))           # a copy: the file's bytes are not kept
-    scratch = [buffers.zeros(int(size), np.dtype(dtype)) for size, dtype in header["scratch"]]
+    if not all(dtype == "<f4" and 0 < int(size) <= MAX_SCRATCH for size, dtype in header["scratch"]):
+        raise ValueError("scratch")
+    scratch = [buffers.zeros(int(size), np.float32) for size, _ in header["scratch"]]
     regions = Regions(list(named) + [(f"scratch[{i}]", a) for i, a in enumerate(scratch)])
     # the records go straight into the plan's own buffers, and are moved there in place
     plan = Plan.from_parts(n_threads, np.frombuffer(payload, RECORD, n_ops * n_threads, at[0]).reshape(n_ops, n_threads),
@@ -340,7 +345,7 @@ def load(key, named):
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         header, payload = decode(data, key)
         kept = thaw(header, payload, named)
-    except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error, OSError):
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error, OSError, MemoryError):
         _remove(path)
         return None
     finally:
@@ -357,7 +362,7 @@ def store(key, plan, ops, named, scratch):
     be moved only means recording it next time). True if it was written."""
     try:
         header, payload = freeze(plan, ops, named, scratch)
-    except NotCacheable:
+    except (NotCacheable, ValueError):
         return False
     from . import atomic
     path = path_for(key)

@@ -133,7 +133,7 @@ def _first_offset_at(header, payload):
 
 
 @pytest.mark.parametrize("forgery", ["offset beyond its region", "region resized", "pointer made plain",
-                                     "kernel arity", "unknown symbol"])
+                                     "kernel arity", "unknown symbol", "huge scratch"])
 def test_forged_file_with_a_valid_checksum_is_refused(model_file, cache, forgery):
     with load(model_file) as model:
         recorded, _ = run(model)
@@ -158,6 +158,8 @@ def test_forged_file_with_a_valid_checksum_is_refused(model_file, cache, forgery
         elif forgery == "kernel arity":
             arity_at = sum(header["sections"][:5])
             payload[arity_at:arity_at + 4] = (99).to_bytes(4, "little")
+        elif forgery == "huge scratch":
+            header["scratch"][0][0] = 1 << 50         # refused before anything is allocated
         else:
             header["symbols"][0] = "llb_not_a_kernel__avx2"
     _rewrite(path, key, change)

@@ -216,14 +216,11 @@ class TransformerModel:
         self._head(rec, lin, h)
         rec.finish()
         if self.source is not None:
-            # kept on disk by another thread (the write ends with an fsync): the step that wants
-            # the plan runs meanwhile; the records are not written to again
-            import threading
+            # kept on disk by another thread (the write ends with an fsync) while the step that
+            # wants the plan runs; the records are not written to again
             from llambda.runtime import plan_cache
-            storing = threading.Thread(target=plan_cache.store, name="llambda-plan-store", daemon=True,
-                                       args=(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
-                                             [s for s in rec._scratch if s is not None]))
-            storing.start()
+            storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
+                                             [s for s in rec._scratch if s is not None])
             self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 

@@ -376,6 +376,20 @@ def store(key, plan, ops, named, scratch):
     return True
 
 
+def store_async(key, plan, ops, named, scratch):
+    """``store`` on a thread of its own (returned, started): the plan must not change meanwhile."""
+    import threading
+
+    def run():
+        try:
+            store(key, plan, ops, named, scratch)
+        except Exception:          # a cache that cannot be written only means recording again
+            pass
+    thread = threading.Thread(target=run, name="llambda-plan-store", daemon=True)
+    thread.start()
+    return thread
+
+
 def _remove(path):
     try:
         path.unlink()

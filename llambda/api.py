@@ -21,7 +21,7 @@ DEFAULT_CTX = 2048
 
 
 def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, chat_template=None, parallel=1,
-         max_waiting=64, kv_cache_mb=None, kv_type=None):
+         max_waiting=64, kv_cache_mb=None, kv_type=None, warm_when_idle=False):
     """Load a model: a GGUF (converted on first use, then cached), a converted llambda
     file, or the name of a fetchable model (`llambda fetch --list`).
 
@@ -31,10 +31,13 @@ def load(path=None, *, n_ctx=None, threads=None, backend=None, progress=True, ch
     parallel: how many sequences generate at once (each step runs all of them); the KV
     cache holds that many full contexts, unless kv_cache_mb bounds it (sequences then wait
     for room). kv_type: how the cache stores K and V, "f16" (the default), "f32" or "q8_0".
-    max_waiting: submissions beyond this many waiting raise EngineBusy."""
+    max_waiting: submissions beyond this many waiting raise EngineBusy. warm_when_idle: when
+    the engine has had nothing to do for a moment, it makes the plans of the step shapes it
+    has not run yet, one at a time, so that a prompt of a new length does not wait for one
+    (`llambda chat` does this between turns)."""
     return Model(path, n_ctx=n_ctx, threads=threads, backend=backend, progress=progress,
                  chat_template=chat_template, parallel=parallel, max_waiting=max_waiting,
-                 kv_cache_mb=kv_cache_mb, kv_type=kv_type)
+                 kv_cache_mb=kv_cache_mb, kv_type=kv_type, warm_when_idle=warm_when_idle)
 
 
 def load_tokenizer(path):
@@ -54,7 +57,8 @@ class Model:
     queue sequences for the engine thread, which runs up to ``parallel`` of them per step."""
 
     def __init__(self, path=None, *, n_ctx=None, threads=None, backend=None, progress=True,
-                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None):
+                 chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None,
+                 warm_when_idle=False):
         from llambda.runtime import get_backend
         from . import catalog, chat_formats, convert, default_model
         from .model import TransformerModel
@@ -75,6 +79,7 @@ class Model:
             path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
+        _prefault(weights, self.config)
         self.tokenizer = convert.build_tokenizer(path, tokenizer_md)
         # Ids from n_vocab on have an embedding row but are no token to produce
         self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
@@ -101,9 +106,10 @@ class Model:
         limits.check_context_memory(self.config, n_ctx, kv_bytes=kv_blocks * block,
                                     option="--kv-cache-mb" if kv_cache_mb is not None else "--ctx")
         self.net = TransformerModel(self.config, weights, self.backend, n_ctx, threads=self.threads,
-                                    max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type)
+                                    max_seqs=parallel, kv_blocks=kv_blocks, kv_type=kv_type, source=path)
         self.parallel = parallel
-        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path)
+        self.engine = Engine(self.net, self.tokenizer, self.n_vocab, max_waiting=max_waiting, path=self.path,
+                             warm_when_idle=warm_when_idle)
         # the engine thread holds the network, not this object: a Model nobody holds any more
         # stops its threads (close() does it at once)
         weakref.finalize(self, self.engine.close)
@@ -257,6 +263,18 @@ class Model:
         ``.as_dict()``). Empties the KV cache."""
         from .profile import profile_decode
         return profile_decode(self, tokens=tokens, prefill=prefill)
+
+
+def _prefault(weights, config):
+    """Map the weights the first step reads whole (all but an untied embedding, of which it
+    reads a row per token) into the page tables now, on another core (runtime/prefault.py)."""
+    from llambda.runtime import prefault
+    arrays = []
+    for name, w in weights.items():
+        if name == "token_embd.weight" and not config.tied_embeddings:
+            continue
+        arrays.extend(w.arrays.values() if hasattr(w, "arrays") else [w])
+    prefault.populate_async(arrays)
 
 
 def vocabulary_size(tokens, rows):

@@ -118,7 +118,9 @@ def _peak_rss_mb():
 
 # -- the driver --------------------------------------------------------------------
 def _run_child(engine, model, gguf, threads, n_ctx, prompt_sizes=PROMPT_SIZES, gen_tokens=GEN_TOKENS):
-    proc = subprocess.run([sys.executable, "-m", "llambda.bench", "--child", engine, str(model), str(gguf),
+    # This file as a script, not `-m llambda.bench`: llama.cpp's child then imports nothing of
+    # llambda (whose package import would count in its start-up); -P keeps llambda/ off sys.path.
+    proc = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), "--child", engine, str(model), str(gguf),
                            str(threads), str(n_ctx), ",".join(map(str, prompt_sizes)), str(gen_tokens),
                            repr(time.time())],
                           capture_output=True, text=True)

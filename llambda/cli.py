@@ -123,9 +123,10 @@ def cmd_chat(args):
         inputs.check_text(args.system, "--system")
     for stop in args.stop:
         inputs.check_text(stop, "--stop")
-    model = _load(args, chat_template=args.chat_template)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
+    # while the user types, the engine makes the plans of prompt lengths not seen yet
+    model = _load(args, chat_template=args.chat_template, warm_when_idle=interactive)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
     template = model.chat_template
     origin = "built-in" if template.builtin else "Jinja"
     print(f"[llambda] chat template: {template.name} ({origin}); Ctrl-C stops a reply, "

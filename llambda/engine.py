@@ -29,6 +29,11 @@ from .errors import UserError
 from .generation import StopStrings
 
 
+# How long the engine is idle before it makes plans ahead (a request arriving then waits for
+# at most the one plan being made)
+IDLE_WARM_S = 0.25
+
+
 class EngineBusy(UserError):
     """The waiting queue is full: try again later (a server answers 429 or 503)."""
 
@@ -133,8 +138,13 @@ class Engine:
     never sampled; max_waiting: submissions beyond this many waiting raise EngineBusy; path:
     the model file, named when its logits go wrong."""
 
-    def __init__(self, net, tokenizer, n_vocab, max_waiting=64, path="the model file"):
+    def __init__(self, net, tokenizer, n_vocab, max_waiting=64, path="the model file", warm_when_idle=False):
         self.net = net
+        # warm_when_idle: after IDLE_WARM_S with nothing to do, record (or read from the disk
+        # cache) the plan of one step shape not yet made, and so on while idle, so that a prompt
+        # of a new length does not wait for its plan
+        self._cold = warm_when_idle and net.backend.runs_plans
+        self._warming = False
         self.path = path
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
@@ -220,13 +230,22 @@ class Engine:
     def _loop(self):
         try:
             while True:
+                idle = False
                 with self._lock:
                     while not (self._closing or self._calls or self._running
                                or (self._waiting and self._admittable())):
-                        self._wake.wait()
+                        if not self._cold:
+                            self._wake.wait()
+                        elif self._warming or not self._wake.wait(IDLE_WARM_S):
+                            idle = True         # idle for a while, or still idle after the last plan
+                            break
                     if self._closing:
                         break
                     calls, self._calls = list(self._calls), collections.deque()
+                self._warming = idle
+                if idle:
+                    self._warm_one()
+                    continue
                 for fn, box, done in calls:
                     try:
                         box["value"] = fn()
@@ -240,6 +259,18 @@ class Engine:
                     self._step()
         finally:
             self._shut_down()
+
+    def _warm_one(self):
+        """While idle: make the plan of one more step shape; stop when none is left (or on an
+        error, which the step that needs that shape then reports)."""
+        try:
+            shape = self.net.cold_shape()
+            if shape is None:
+                self._cold = False
+            else:
+                self.net.warm_plans([shape])
+        except Exception:
+            self._cold = False
 
     def _admittable(self):
         c = self._waiting[0]

@@ -58,8 +58,11 @@ HEAD_TAG = "lm_head"
 
 class TransformerModel:
     def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None, max_seqs=1,
-                 kv_blocks=None, kv_type=None):
+                 kv_blocks=None, kv_type=None, source=None):
+        """source: the model file the weights are mapped from; with it, recorded plans are
+        kept on disk (runtime/plan_cache.py) and read back by later loads of that file."""
         c = self.config = config
+        self.source = source
         self.arch = c.architecture
         self.backend = backend
         self.n_ctx = n_ctx
@@ -114,6 +117,9 @@ class TransformerModel:
         self._embed_in_plan = backend.runs_plans and traits(self.embedding.kind).embed
         self.pool = None
         self._plans = {}
+        self._plan_key_parts = self._plan_key_base = None
+        self._shapes = None                   # step_shapes(), once asked
+        self._storing = []                    # threads writing plans to the disk cache
         self._direct_table = None             # forward()'s own sequence, once used
         self.threads = threads if threads is not None else 1
         if backend.runs_plans:
@@ -130,6 +136,9 @@ class TransformerModel:
     def close(self):
         if self.pool is not None:
             self.pool.close()
+        for storing in self._storing:        # a plan being kept is written whole before exit
+            storing.join(timeout=10)
+        self._storing = []
 
     # -- running --------------------------------------------------------------
     def step(self, m, h):
@@ -192,16 +201,71 @@ class TransformerModel:
         return logits
 
     def _plan(self, m, h):
-        """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then reused)."""
+        """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then
+        reused; read from the disk cache when an earlier process kept it)."""
         key = (m, h)
         if key not in self._plans:
-            from llambda.runtime.recorder import PlanRecorder
-            rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
-            lin = self.linear.on(rec)
-            self._blocks(rec, lin, m)
-            self._head(rec, lin, h)
-            self._plans[key] = rec.finish()
+            self._plans[key] = self._kept_plan(m, h) or self._record_plan(m, h)
         return self._plans[key]
+
+    def _record_plan(self, m, h):
+        from llambda.runtime.recorder import PlanRecorder
+        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
+        lin = self.linear.on(rec)
+        self._blocks(rec, lin, m)
+        self._head(rec, lin, h)
+        rec.finish()
+        if self.source is not None:
+            # kept on disk by another thread (the write ends with an fsync) while the step that
+            # wants the plan runs; the records are not written to again
+            from llambda.runtime import plan_cache
+            storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
+                                             [s for s in rec._scratch if s is not None])
+            self._storing = [t for t in self._storing if t.is_alive()] + [storing]
+        return rec
+
+    def _kept_plan(self, m, h):
+        """The plan of (m, h) from the disk cache, or None."""
+        if self.source is None:
+            return None
+        from llambda.runtime import plan_cache
+        kept = plan_cache.load(self._plan_key(m, h), self._plan_buffers())
+        return None if kept is None else KeptPlan(*kept)
+
+    def _plan_key(self, m, h):
+        """Everything a recorded plan depends on besides the code, library and CPU (which
+        plan_cache adds): the model file, the model and its buffers' shapes, the step shape."""
+        from llambda.runtime import plan_cache
+        if self._plan_key_parts is None:
+            import os
+            st = os.stat(self.source)
+            self._plan_key_parts = [os.path.realpath(self.source), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                    repr(self.config), self.n_ctx, self.max_batch, self.max_heads, self.max_seqs,
+                                    self.kv.n_blocks, self.kv.kv_type, self.threads, bool(self._embed_in_plan),
+                                    type(self.backend).__name__]
+            self._plan_key_base = plan_cache.key_text(self._plan_key_parts)
+        return f"{self._plan_key_base} {m} {h}"
+
+    def _plan_buffers(self):
+        """Every buffer a plan may point into, named, in a fixed order (plan_cache's regions)."""
+        named = []
+
+        def visit(name, obj):
+            if isinstance(obj, np.ndarray):
+                named.append((name, obj))
+            elif isinstance(obj, (list, tuple)):
+                if obj and isinstance(obj[0], (int, float, str)):
+                    return                       # a list of numbers (the KV pool's free lists)
+                for i, item in enumerate(obj):
+                    visit(f"{name}[{i}]", item)
+            elif isinstance(obj, dict):
+                for k, item in obj.items():
+                    visit(f"{name}.{k}", item)
+            elif isinstance(obj, (_LayerWeights, layouts.PackedWeight, KVPool, Linear)):
+                visit(name, vars(obj))
+
+        visit("net", {k: v for k, v in vars(self).items() if k not in ("_plans", "pool", "backend", "config")})
+        return named
 
     def step_shapes(self):
         """Every (rows, head rows) plan shape a step of the engine can have, padded to buckets:
@@ -219,6 +283,12 @@ class TransformerModel:
         for m, h in todo:
             self._plan(m, h)
         return len(todo)
+
+    def cold_shape(self):
+        """A step shape whose plan is not made yet (the smallest), or None."""
+        if self._shapes is None:
+            self._shapes = self.step_shapes()
+        return next((s for s in self._shapes if s not in self._plans), None)
 
     def profile(self):
         """A context in which every plan run is timed, op by op, through the normal path:
@@ -294,6 +364,22 @@ class TransformerModel:
         be.rmsnorm(xh, self.output_norm, c.rms_eps, xh)
         with be.tagged(HEAD_TAG) if hasattr(be, "tagged") else contextlib.nullcontext():
             lin(xh, self.lm_head, self.logits[:h])
+
+
+class KeptPlan:
+    """A plan read back from the disk cache, shaped like the PlanRecorder that recorded it
+    (``.plan``, ``.ops``); it owns the attention scratch its records point at."""
+
+    def __init__(self, plan, ops, scratch):
+        self.plan, self.scratch = plan, scratch
+        self._ops = ops                  # a plan_cache.LazyOps: read by the profiler only
+
+    @property
+    def ops(self):
+        if not isinstance(self._ops, list):
+            from llambda.runtime.recorder import OpInfo
+            self._ops = [OpInfo(**info) for info in self._ops.items()]
+        return self._ops
 
 
 class _Profiling:

@@ -143,6 +143,7 @@ class Plan:
         self._first_chunk = []        # per op: index of its first chunk record, None for a static op
         self._kept_alive = {}         # (op, thread or ("chunk", c), index) -> array whose address is in a record
         self._slots_cache = {}        # (handles, index) -> where set_int_arg_of_ops writes
+        self._symbols = []            # per op: its kernel's library symbol, None for a ctypes function
 
     @property
     def n_ops(self):
@@ -238,6 +239,7 @@ class Plan:
                 if array is not None:
                     self._kept_alive[(op, t, i)] = array
         self._arity.append((n_int, n_float))
+        self._symbols.append(kernel if isinstance(kernel, str) else None)
         return op
 
     def _add_dynamic(self, kernel, int_args, float_args, per_thread, barrier, chunks):
@@ -272,6 +274,7 @@ class Plan:
         self._records["chunks"][op] = len(chunks)
         self._records["int_args"][op, :, 0] = first
         self._arity.append((n_int, n_float))
+        self._symbols.append(kernel if isinstance(kernel, str) else None)
         return op
 
     def _check_kernel(self, kernel, float_args):
@@ -352,6 +355,32 @@ class Plan:
         """Run every op once on ``pool`` (a runtime.pool.WorkerPool with as many threads);
         timed into ``stamps`` (from ``stamp_buffer``) when given."""
         pool.run(self, stamps)
+
+    # -- kept on disk (runtime/plan_cache.py) ------------------------------------------
+    def parts(self):
+        """What runtime/plan_cache.py stores: ``(records, chunk records, per-op (int, float)
+        arity, per-op first chunk or None, per-op kernel symbol or None)``; views, not copies."""
+        return (self._records[:self._n_ops], self._chunks[:self._n_chunks], list(self._arity),
+                list(self._first_chunk), list(self._symbols))
+
+    @classmethod
+    def from_parts(cls, n_threads, records, chunks, arity, first_chunk, symbols):
+        """A plan made of records that another plan's ``parts()`` gave, their addresses
+        already moved to this process's buffers (plan_cache checks them first)."""
+        plan = cls(n_threads)
+        n_ops, n_chunks = len(records), len(chunks)
+        if records.shape[1:] != (plan.n_threads,) or not len(arity) == len(first_chunk) == len(symbols) == n_ops:
+            raise ValueError("from_parts: the parts do not belong to one plan of this many threads")
+        plan._records = buffers.zeros((max(n_ops, _INITIAL_OPS), plan.n_threads), RECORD)
+        plan._records[:n_ops] = records
+        plan._chunks = buffers.zeros(max(n_chunks, _INITIAL_OPS), RECORD)
+        plan._chunks[:n_chunks] = chunks
+        plan._state = buffers.zeros((len(plan._records), STATE_WORDS), np.uint64)
+        plan._n_ops, plan._n_chunks = n_ops, n_chunks
+        plan._arity = [tuple(a) for a in arity]
+        plan._first_chunk = list(first_chunk)
+        plan._symbols = list(symbols)
+        return plan
 
     def _thread_args(self, int_args, per_thread, n_int):
         if per_thread is None:

@@ -91,8 +91,13 @@ EDGE_ROWS = 6
 # CHUNK_K k steps into a stack buffer that every row tile then reads, instead of once per
 # row tile (VCVTPH2PS zmm takes two uops on the FMA ports: 3 of them beside a k step's 24
 # FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
+# The chunk is long: the buffer (3 panels x CHUNK_K x 64 bytes, 192 KiB) then sits in L2 as
+# the f32 panels do, and each row tile streams it whole. Short chunks that stay in L1 were
+# slower at m = 512 in A/B runs (README, "Float GEMM"), and so was k-chunking the f32
+# kernel the same way (CHUNK_F32, kept for such runs). The stack must hold the buffer.
 CONVERT_MIN_ROWS = 32
-CHUNK_K = 256
+CHUNK_K = 1024
+CHUNK_F32 = False
 
 # Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
 UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
@@ -447,11 +452,11 @@ def emit_edge_panel(g, args, weight_type):
 class ConvertFrame:
     """Stack slots of the converted f16 path (codegen/gemm.py CONVERT_MIN_ROWS)."""
 
-    def __init__(self, block_panels):
+    def __init__(self, block_panels, weight_type="f16"):
         self.panel_bytes = CHUNK_K * NR * 4
         # aligned by hand: PeachPy 2021 gives an aligned LocalVariable an rbp frame and then
-        # hands rbp out as a register too
-        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8)
+        # hands rbp out as a register too; f32 needs no buffer (its tiles read the panels)
+        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8) if weight_type == "f16" else None
         self.k_left, self.chunk_len, self.chunk_a, self.chunk_w, self.chunk_acc = \
             (LocalVariable(8) for _ in range(5))
 
@@ -499,9 +504,12 @@ def emit_convert(frame, args, n_panels, count):
     LABEL(last)
 
 
-def emit_block_converted(g, args, t, frame):
-    """One whole block of f16 panels, CHUNK_K k steps at a time: widen the chunk into the
-    stack buffer, then run every row tile over it (continuing each chain after the first)."""
+def emit_block_converted(g, args, t, frame, weight_type="f16"):
+    """One whole block, CHUNK_K k steps at a time, every row tile running over a chunk
+    before the next (continuing each chain after the first), so the chunk's weights stay
+    in L1 across the row tiles. f16: each chunk is first widened into the stack buffer
+    that the tiles read; f32: the tiles read the panels in place (the first prefetching)."""
+    converts = weight_type == "f16"
     reg = GeneralPurposeRegister64()
     LOAD.ARGUMENT(reg, args["kc"])
     MOV(frame.k_left, reg)
@@ -512,7 +520,7 @@ def emit_block_converted(g, args, t, frame):
     LOAD.ARGUMENT(accumulate, args["accumulate"])
     MOV(frame.chunk_acc, accumulate)
     src = Source(args, "f32", count=frame.chunk_len, accumulate=frame.chunk_acc,
-                 panel_bytes=frame.panel_bytes, prefetch=False)
+                 panel_bytes=frame.panel_bytes if converts else None, prefetch=not converts)
 
     chunks = Loop(_unique("chunks"))
     with chunks:
@@ -523,17 +531,22 @@ def emit_block_converted(g, args, t, frame):
         MOV(count, CHUNK_K)
         LABEL(whole)
         MOV(frame.chunk_len, count)
-        emit_convert(frame, args, t.block_panels, count)
+        if converts:
+            emit_convert(frame, args, t.block_panels, count)
 
-        def emit_one(rows, a_row, out_row):
-            scratch = GeneralPurposeRegister64()
-            frame.scratch_address(scratch)
-            emit_tile(rows, t.block_panels, t.lanes, a_row, scratch, out_row, g, src, owns_w_panel=True)
+        def emit_one(rows, a_row, out_row, prefetch=True):
+            panel = GeneralPurposeRegister64()
+            if converts:
+                frame.scratch_address(panel)
+            else:
+                MOV(panel, frame.chunk_w)
+            emit_tile(rows, t.block_panels, t.lanes, a_row, panel, out_row, g, src, owns_w_panel=True,
+                      prefetch=prefetch)
 
-        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a)
+        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a, streams=not converts)
         MOV(frame.chunk_acc, 1)
         ADD(frame.chunk_a, CHUNK_K * 4)
-        ADD(frame.chunk_w, CHUNK_K * NR * 2)
+        ADD(frame.chunk_w, CHUNK_K * NR * WEIGHT_BYTES[weight_type])
         SUB(frame.k_left, CHUNK_K)
         JA(chunks.begin)
 
@@ -560,8 +573,8 @@ def emit_gemm(isa, weight_type):
     with fn:
         # The first six arguments live in registers for the whole call; the
         # rest are re-read from the stack where needed (GP registers are short).
-        converts = isa == "avx512" and weight_type == "f16"
-        frame = ConvertFrame(t.block_panels) if converts else None
+        converts = isa == "avx512" and (weight_type == "f16" or CHUNK_F32)
+        frame = ConvertFrame(t.block_panels, weight_type) if converts else None
         g = Globals(in_frame=converts)
         g.load(args)
         block_columns = t.block_panels * NR
@@ -575,7 +588,7 @@ def emit_gemm(isa, weight_type):
                 LOAD.ARGUMENT(m, args["m"])
                 CMP(m, CONVERT_MIN_ROWS)
                 JB(few_rows)
-                emit_block_converted(g, args, t, frame)
+                emit_block_converted(g, args, t, frame, weight_type)
                 JMP(block_done)
                 LABEL(few_rows)
             emit_block(g, args, weight_type, t)

@@ -19,7 +19,7 @@ import contextlib
 import gguf
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from helpers import assert_refused, float_arrays, nan_buffer
 from llambda.runtime import buffers, layouts
@@ -135,6 +135,29 @@ def test_gemm_rows_are_batch_invariant(native, data, m, n, k, gguf_type):
                 assert_same_bits(out, alone, f"{w.kind} {isa} columns split at {split}")
         row = data.draw(st.integers(0, m - 1))
         assert_same_bits(one_row(gemm, x, row, w, isa)[None], alone[row:row + 1], f"{w.kind} {isa} m=1")
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data(), st.sampled_from(["F16", "F32"]))
+def test_gemm_k_chunks_are_invariant_and_exact(native, ref, data, gguf_type):
+    """The AVX-512 kernel from CONVERT_MIN_ROWS rows on runs each column block CHUNK_K k
+    steps at a time (f16: widened into a stack buffer once a chunk): k on either side of a
+    chunk boundary gives the exact product within the module's bound, and every row the
+    same bits as alone on AVX2 (m = 1)."""
+    from llambda.codegen.gemm import CHUNK_K, CONVERT_MIN_ROWS
+    m = data.draw(st.sampled_from([CONVERT_MIN_ROWS, CONVERT_MIN_ROWS + 1, CONVERT_MIN_ROWS + 7, 49]))
+    n = data.draw(st.sampled_from([48, 49, 95, 97, 144]))
+    k = data.draw(st.sampled_from([CHUNK_K - 1, CHUNK_K, CHUNK_K + 1, 2 * CHUNK_K + 5]))
+    x = float_arrays(data.draw, (m, k))
+    w = layout_float.pack(gguf_type, gguf_raw(gguf_type, float_arrays(data.draw, (n, k))), n, k)
+    gemm = gemm_for(native, w.kind)
+    for isa in native_gemm.gemm_isas():
+        out = nan_buffer((m, n))
+        gemm(x, w, out, isa=isa)
+        assert_close_to_exact(out, x, layout_float.dequantize(w), f"{w.kind} {isa} m={m} k={k}")
+        rows = sorted({0, m - 1, data.draw(st.integers(0, m - 1))})
+        for i in rows:
+            assert_same_bits(out[i], one_row(gemm, x, i, w, "avx2"), f"{w.kind} {isa} row {i} of {m}, k={k}")
 
 
 def one_row(gemm, x, i, w, isa):

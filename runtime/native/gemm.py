@@ -48,6 +48,10 @@ AVX512_MIN_ROWS = 1
 # Threads split the columns in multiples of this (runtime/recorder.py): whole column
 # blocks of both kernels (2 and 3 panels), so no thread ends in a narrow edge tile.
 SPLIT_COLUMNS = 6 * PANEL
+# A product too narrow for two of those splits in blocks of the AVX-512 kernel (3 panels),
+# when it has two: a 192-column K or V projection in 16-column chunks ran every chunk on
+# the edge tiles (ymm, one panel wide), at half the zmm rate.
+SPLIT_COLUMNS_NARROW = 3 * PANEL
 
 F32 = np.dtype(np.float32)
 
@@ -136,24 +140,41 @@ def _check_weight(kind, w):
 
 
 def _gemm_calls(kind, x, w, out, rows, isa=None):
+    return _gemm_calls_ranges(kind, x, w, out, [rows], isa)[0]
+
+
+def gemm_f32_calls_ranges(x, w, out, ranges, *, isa=None):
+    """``gemm_f32_calls`` for each ``rows`` range in ``ranges``, the arrays validated once
+    (a plan's chunks of one product differ only in their columns)."""
+    return _gemm_calls_ranges("f32", x, w, out, ranges, isa)
+
+
+def gemm_f16_calls_ranges(x, w, out, ranges, *, isa=None):
+    return _gemm_calls_ranges("f16", x, w, out, ranges, isa)
+
+
+def _gemm_calls_ranges(kind, x, w, out, ranges, isa=None):
     panels_at = _check_weight(kind, w)
     n, k = w.n, w.k
     x_at = checked_address("x", x, F32, (None, k))
     m = x.shape[0]
     out_at = checked_address("out", out, F32, (m, n), writable=True)
-    n0, n1 = index_range("rows", rows, n, labels=("n0", "n1"), multiple=PANEL_ROWS, why=" (a panel start)")
-
     # A single row tile reads each weight once whatever the blocking: keep the stream whole.
     k_block = k if m <= ROW_TILE else K_BLOCK
     weight_bytes = 2 if kind == "f16" else 4
     panel_stride = k * PANEL_ROWS
-    w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
     symbol = gemm_symbol(kind, gemm_isa(m, isa))
-    return [(symbol, [x_at + (m0 * k + k0) * 4,
-                      w_start + k0 * PANEL_ROWS * weight_bytes,
-                      out_at + (m0 * n + n0) * 4,
-                      k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride, int(k0 > 0)])
-            for m0 in range(0, m, M_BLOCK) for k0 in range(0, k, k_block)]
+    per_range = []
+    for rows in ranges:
+        n0, n1 = index_range("rows", rows, n, labels=("n0", "n1"), multiple=PANEL_ROWS, why=" (a panel start)")
+        w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
+        per_range.append([(symbol, [x_at + (m0 * k + k0) * 4,
+                                    w_start + k0 * PANEL_ROWS * weight_bytes,
+                                    out_at + (m0 * n + n0) * 4,
+                                    k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride,
+                                    int(k0 > 0)])
+                          for m0 in range(0, m, M_BLOCK) for k0 in range(0, k, k_block)])
+    return per_range
 
 
 def _single_call(op, calls):

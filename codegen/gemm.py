@@ -2,7 +2,9 @@
 
 The weights come packed by runtime/layout_float.py: panels of NR = 16 weight
 rows, k-major inside a panel, so one k step of a panel is 16 contiguous
-weights (two ymm or one zmm of f32; f16 widened with VCVTPH2PS as it loads).
+weights (two ymm or one zmm of f32; f16 widened with VCVTPH2PS as it loads, bf16 by
+zero-extending each to 32 bits and shifting it up 16: both exact, so a BF16 model gives
+the same bits as its weights widened to f32 would).
 The activations A stay as they are (row-major, any row stride): each k step
 broadcasts one element of each row of the tile.
 
@@ -47,7 +49,7 @@ import itertools
 from dataclasses import dataclass
 
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            LocalVariable, JA, JBE, AND, VMOVAPS, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
+                            LocalVariable, JA, JBE, AND, VMOVAPS, VPMOVZXWD, VPSLLD, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
                             VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
 
 from .common import Kernel, function, symbol, tail_mask
@@ -64,8 +66,19 @@ K_UNROLL = 4          # k steps per main-loop iteration
 PREFETCH_DISTANCE = 16384
 
 # Bytes of one element of the weight panel, by weight type.
-WEIGHT_BYTES = {"f32": 4, "f16": 2}
-WEIGHT_C_TYPE = {"f32": "const float*", "f16": "const uint16_t*"}
+WEIGHT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+WEIGHT_C_TYPE = {"f32": "const float*", "f16": "const uint16_t*", "bf16": "const uint16_t*"}
+WEIGHT_TYPES = tuple(WEIGHT_BYTES)
+
+
+def widen(reg, at, weight_type):
+    """reg = f32 of the 2-byte weights at ``at`` (as many as reg has lanes), exactly: f16 with
+    F16C; bf16 is the high half of its f32, so zero-extend to 32 bits and shift up 16."""
+    if weight_type == "f16":
+        VCVTPH2PS(reg, at)
+    else:
+        VPMOVZXWD(reg, at)
+        VPSLLD(reg, reg, 16)
 
 
 @dataclass(frozen=True)
@@ -202,7 +215,7 @@ def load_weights(regs, address, weight_type, lanes):
         if weight_type == "f32":
             VMOVUPS(reg, at)
         else:
-            VCVTPH2PS(reg, at)
+            widen(reg, at, weight_type)
 
 
 def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
@@ -456,7 +469,7 @@ class ConvertFrame:
         self.panel_bytes = CHUNK_K * NR * 4
         # aligned by hand: PeachPy 2021 gives an aligned LocalVariable an rbp frame and then
         # hands rbp out as a register too; f32 needs no buffer (its tiles read the panels)
-        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8) if weight_type == "f16" else None
+        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8) if weight_type != "f32" else None
         self.k_left, self.chunk_len, self.chunk_a, self.chunk_w, self.chunk_acc = \
             (LocalVariable(8) for _ in range(5))
 
@@ -467,7 +480,7 @@ class ConvertFrame:
         AND(reg, -64)
 
 
-def emit_convert(frame, args, n_panels, count):
+def emit_convert(frame, args, n_panels, count, weight_type="f16"):
     """scratch[p][kk][:] = f32(W[p][k0 + kk][:]) for kk < count (consumed), p < n_panels."""
     src, dst, stride = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
     MOV(src, frame.chunk_w)
@@ -484,7 +497,7 @@ def emit_convert(frame, args, n_panels, count):
             for p, reg in enumerate(regs):
                 if u % 2 == 0:
                     PREFETCHT0(panel(p, PREFETCH_DISTANCE + 32 * u))
-                VCVTPH2PS(reg, panel(p, 32 * u))
+                widen(reg, panel(p, 32 * u), weight_type)
                 VMOVAPS([dst + (p * frame.panel_bytes + 64 * u)], reg)
         ADD(src, 32 * count_steps)
         ADD(dst, 64 * count_steps)
@@ -509,7 +522,7 @@ def emit_block_converted(g, args, t, frame, weight_type="f16"):
     before the next (continuing each chain after the first), so the chunk's weights stay
     in L1 across the row tiles. f16: each chunk is first widened into the stack buffer
     that the tiles read; f32: the tiles read the panels in place (the first prefetching)."""
-    converts = weight_type == "f16"
+    converts = weight_type != "f32"
     reg = GeneralPurposeRegister64()
     LOAD.ARGUMENT(reg, args["kc"])
     MOV(frame.k_left, reg)
@@ -532,7 +545,7 @@ def emit_block_converted(g, args, t, frame, weight_type="f16"):
         LABEL(whole)
         MOV(frame.chunk_len, count)
         if converts:
-            emit_convert(frame, args, t.block_panels, count)
+            emit_convert(frame, args, t.block_panels, count, weight_type)
 
         def emit_one(rows, a_row, out_row, prefetch=True):
             panel = GeneralPurposeRegister64()
@@ -573,7 +586,7 @@ def emit_gemm(isa, weight_type):
     with fn:
         # The first six arguments live in registers for the whole call; the
         # rest are re-read from the stack where needed (GP registers are short).
-        converts = isa == "avx512" and (weight_type == "f16" or CHUNK_F32)
+        converts = isa == "avx512" and (weight_type != "f32" or CHUNK_F32)
         frame = ConvertFrame(t.block_panels, weight_type) if converts else None
         g = Globals(in_frame=converts)
         g.load(args)
@@ -614,4 +627,4 @@ def emit_gemm(isa, weight_type):
 
 
 def emit(isa):
-    return [emit_gemm(isa, weight_type) for weight_type in ("f32", "f16")]
+    return [emit_gemm(isa, weight_type) for weight_type in WEIGHT_TYPES]

@@ -266,6 +266,9 @@ class PlanRecorder:
     def gemm_f16(self, x, w, out):
         self._gemm(n_gemm.gemm_f16_calls_ranges, "gemm_f16", x, w, out)
 
+    def gemm_bf16(self, x, w, out):
+        self._gemm(n_gemm.gemm_bf16_calls_ranges, "gemm_bf16", x, w, out)
+
     def _gemm(self, make_calls, name, x, w, out):
         # A large product is several kernel calls per column range (m and k blocks), to be
         # run in order: one op each.

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """BF16 weights, three ways, one core: the AVX512_BF16 kernel (codegen/gemm_bf16.py,
-``vdpbf16ps`` on bf16 pair panels, activations rounded to bf16), the float kernel on the
-same weights widened to f32 (kind "f32": what a BF16 GGUF loads as), and the f16 kernel
-on the f16 rounding of the same matrix, for comparison.
+``vdpbf16ps`` on bf16 pair panels, activations rounded to bf16), the float kernel on
+kind "bf16" (what a BF16 GGUF loads as: the 16 bits kept, widened exactly in the kernel),
+the float kernel on the same weights stored as f32, and the f16 kernel on the f16
+rounding of the same matrix, for comparison.
 
     .venv/bin/python tools/bench_bf16.py [--ms 1,128,512]
 
@@ -43,19 +44,22 @@ def main(argv=None):
         print(f"bench_bf16: this CPU lacks {gemm_bf16.CPU_FLAG}", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
-    print("| m | n x k | bf16 vdpbf16ps | f32 kernel (BF16 widened) | f16 kernel | weight bytes bf16 / f32 | "
-          "rounding x to bf16 |")
-    print("|---:|---|---:|---:|---:|---|---:|")
+    print("| m | n x k | vdpbf16ps (bf16 pairs) | float kernel, kind bf16 | float kernel, kind f32 | f16 kernel | "
+          "weight bytes bf16 / f32 | rounding x to bf16 |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|")
     for m in (int(s) for s in args.ms.split(",")):
         for n, k in SHAPES:
             w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
             raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.BF16)
-            packed = {"bf16": layout_bf16.pack("BF16", raw, n, k), "f32": layout_float.pack("BF16", raw, n, k),
+            widened = layout_float.pack("BF16", raw, n, k)
+            packed = {"pairs": layout_bf16.pack("BF16", raw, n, k), "bf16": widened,
+                      "f32": layout_float.pack("F32", layout_float.dequantize(widened), n, k),
                       "f16": layout_float.pack("F16", w.astype(np.float16), n, k)}
             x = buffers.aligned_copy(rng.standard_normal((m, k)).astype(np.float32))
             xb = layout_bf16.to_bf16(x)
             out = buffers.zeros((m, n), np.float32)
-            calls = {"bf16": gemm_bf16.gemm_bf16_call(xb, packed["bf16"], out),
+            calls = {"pairs": gemm_bf16.gemm_bf16_pairs_call(xb, packed["pairs"], out),
+                     "bf16": gemm.gemm_bf16_call(x, packed["bf16"], out),
                      "f32": gemm.gemm_f32_call(x, packed["f32"], out),
                      "f16": gemm.gemm_f16_call(x, packed["f16"], out)}
             gflops = {}
@@ -63,7 +67,8 @@ def main(argv=None):
                 fn = kernel(symbol)
                 gflops[name] = 2 * m * n * k / _best(lambda: fn(*call_args)) / 1e9
             rounding = _best(lambda: layout_bf16.to_bf16(x, xb))
-            print(f"| {m} | {n}x{k} | {gflops['bf16']:.1f} GFLOP/s | {gflops['f32']:.1f} GFLOP/s | "
+            print(f"| {m} | {n}x{k} | {gflops['pairs']:.1f} GFLOP/s | {gflops['bf16']:.1f} GFLOP/s | "
+                  f"{gflops['f32']:.1f} GFLOP/s | "
                   f"{gflops['f16']:.1f} GFLOP/s | {n * k * 2 / 1e6:.2f} / {n * k * 4 / 1e6:.2f} MB | "
                   f"{rounding * 1e6:.0f} us |", flush=True)
     return 0

@@ -27,7 +27,8 @@ from ..layout_float import PANEL_ROWS, n_panels, pack
 from ..layouts import PackedWeight
 from ._lib import checked_address, index_range, kernel
 
-__all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
+__all__ = ["gemm_f32", "gemm_f16", "gemm_bf16", "matmul_nt"]
+KINDS = ("f32", "f16", "bf16")
 
 ROW_TILE = 6            # rows of the AVX2 kernel's main tile (codegen/gemm.py TILINGS)
 # Cache blocking. Every output is one FMA chain over k in order whatever the blocking
@@ -65,7 +66,7 @@ def gemm_isas():
     """The float GEMM variants this CPU runs and the kernel library has, baseline first."""
     manifest = library.load("avx2").manifest
     return tuple(isa for isa in GEMM_TILES if not cpu.missing_flags(isa)
-                 and all(gemm_symbol(kind, isa) in manifest for kind in ("f32", "f16")))
+                 and all(gemm_symbol(kind, isa) in manifest for kind in KINDS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +104,20 @@ def gemm_f16(x, w, out, rows=None, *, isa=None):
         kernel(symbol)(*args)
 
 
+def gemm_bf16(x, w, out, rows=None, *, isa=None):
+    """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "bf16" (widened exactly to f32)."""
+    for symbol, args in gemm_bf16_calls(x, w, out, rows, isa=isa):
+        kernel(symbol)(*args)
+
+
+def gemm_bf16_calls(x, w, out, rows=None, *, isa=None):
+    return _gemm_calls("bf16", x, w, out, rows, isa)
+
+
+def gemm_bf16_call(x, w, out, rows=None, *, isa=None):
+    return _single_call("gemm_bf16", _gemm_calls("bf16", x, w, out, rows, isa))
+
+
 def gemm_f32_calls(x, w, out, rows=None, *, isa=None):
     return _gemm_calls("f32", x, w, out, rows, isa)
 
@@ -135,7 +150,7 @@ def _check_weight(kind, w):
         raise ValueError(f"w: expected a PackedWeight of kind {kind!r}, got {w.kind!r}")
     v.positive_int("w.n", w.n)
     v.positive_int("w.k", w.k)
-    dtype = np.float32 if kind == "f32" else np.float16
+    dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
     return checked_address("w.panels", w.arrays.get("panels"), dtype, (n_panels(w.n), w.k, PANEL_ROWS))
 
 
@@ -153,6 +168,10 @@ def gemm_f16_calls_ranges(x, w, out, ranges, *, isa=None):
     return _gemm_calls_ranges("f16", x, w, out, ranges, isa)
 
 
+def gemm_bf16_calls_ranges(x, w, out, ranges, *, isa=None):
+    return _gemm_calls_ranges("bf16", x, w, out, ranges, isa)
+
+
 def _gemm_calls_ranges(kind, x, w, out, ranges, isa=None):
     panels_at = _check_weight(kind, w)
     n, k = w.n, w.k
@@ -161,7 +180,7 @@ def _gemm_calls_ranges(kind, x, w, out, ranges, isa=None):
     out_at = checked_address("out", out, F32, (m, n), writable=True)
     # A single row tile reads each weight once whatever the blocking: keep the stream whole.
     k_block = k if m <= ROW_TILE else K_BLOCK
-    weight_bytes = 2 if kind == "f16" else 4
+    weight_bytes = 4 if kind == "f32" else 2
     panel_stride = k * PANEL_ROWS
     symbol = gemm_symbol(kind, gemm_isa(m, isa))
     per_range = []

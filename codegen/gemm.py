@@ -40,7 +40,7 @@ line of each stream); the other tiles read them from L2.
     llb_gemm_<wtype>_f32_<tile>__<isa>(a, w, out, lda, ldo, ncols, m, kc, panel_stride, accumulate)
 
     a             &A[0, k0]                  f32, row stride lda elements
-    w             &panel[n0 / 16][k0][0]     f32 or f16 (as uint16), panel stride panel_stride elements
+    w             &panel[n0 / 16][k0][0]     f32, or f16 or bf16 (as uint16), panel stride panel_stride elements
     out           &C[0, n0]                  f32, row stride ldo elements
     ncols         columns to compute from n0; m rows; kc k steps from k0
     accumulate    0: C = A . W^T over the block; 1: C += (continuing each chain)

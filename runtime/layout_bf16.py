@@ -12,8 +12,8 @@ Activations are converted to bf16 as llama.cpp's GGML_FP32_TO_BF16 does for its 
 vec_dot: round to nearest even, NaN kept quiet (``to_bf16``).
 
 Not a registered layout: GGUF BF16 tensors load as kind "bf16" (runtime/layout_float.py,
-multiplied exactly in f32), which on the machine measured ran about twice as fast at
-prefill as this kernel (README, "Float models").
+multiplied exactly in f32), which was the faster of the two at prefill where measured
+(README, "Float models").
 """
 import numpy as np
 

@@ -100,13 +100,13 @@ TILINGS = {
 }
 # the ymm tiles of the columns after the last whole block (both ISAs)
 EDGE_ROWS = 6
-# AVX-512 f16 with at least this many rows: each block's weights are widened to f32 once per
+# AVX-512 f16 and bf16 with at least this many rows: each block's weights are widened to f32 once per
 # CHUNK_K k steps into a stack buffer that every row tile then reads, instead of once per
 # row tile (VCVTPH2PS zmm takes two uops on the FMA ports: 3 of them beside a k step's 24
 # FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
 # The chunk is long: the buffer (3 panels x CHUNK_K x 64 bytes, 192 KiB) then sits in L2 as
 # the f32 panels do, and each row tile streams it whole. Short chunks that stay in L1 were
-# slower at m = 512 in A/B runs (README, "Float GEMM"), and so was k-chunking the f32
+# slower at m = 512 in A/B runs (README, "Float models"), and so was k-chunking the f32
 # kernel the same way (CHUNK_F32, kept for such runs). The stack must hold the buffer.
 CONVERT_MIN_ROWS = 32
 CHUNK_K = 1024
@@ -463,7 +463,8 @@ def emit_edge_panel(g, args, weight_type):
 
 
 class ConvertFrame:
-    """Stack slots of the converted f16 path (codegen/gemm.py CONVERT_MIN_ROWS)."""
+    """Stack slots of the k-chunked path (CONVERT_MIN_ROWS): the widened f16/bf16 chunk and
+    the chunk loop's state."""
 
     def __init__(self, block_panels, weight_type="f16"):
         self.panel_bytes = CHUNK_K * NR * 4
@@ -519,9 +520,10 @@ def emit_convert(frame, args, n_panels, count, weight_type="f16"):
 
 def emit_block_converted(g, args, t, frame, weight_type="f16"):
     """One whole block, CHUNK_K k steps at a time, every row tile running over a chunk
-    before the next (continuing each chain after the first), so the chunk's weights stay
-    in L1 across the row tiles. f16: each chunk is first widened into the stack buffer
-    that the tiles read; f32: the tiles read the panels in place (the first prefetching)."""
+    before the next (continuing each chain after the first), so every row tile reuses the
+    chunk's weights from cache. f16 and bf16: each chunk is first widened into the stack
+    buffer that the tiles read; f32 (CHUNK_F32): the tiles read the panels in place (the
+    first prefetching)."""
     converts = weight_type != "f32"
     reg = GeneralPurposeRegister64()
     LOAD.ARGUMENT(reg, args["kc"])

@@ -1,9 +1,10 @@
 """Bindings: the float linear layer C[m, n] = A[m, k] . W[n, k]^T (codegen/gemm.py).
 
-``gemm_f32_calls`` / ``gemm_f16_calls`` validate like the ops and return the
-kernel calls the op makes, ``[(symbol, args), ...]`` in order, args in the
-kernel's C argument order; ``rows=(n0, n1)`` restricts them to one thread's
-output columns. Large products are cache-blocked into several calls (row
+``gemm_f32_calls`` / ``gemm_f16_calls`` / ``gemm_bf16_calls`` (weight kinds "f32", "f16",
+"bf16") validate like the ops and return the kernel calls the op makes,
+``[(symbol, args), ...]`` in order, args in the kernel's C argument order; ``rows=(n0, n1)``
+restricts them to one thread's output columns (``*_calls_ranges``: for many ranges, the
+arrays validated once, as a plan's chunks want). Large products are cache-blocked into several calls (row
 blocks, and k blocks that add into out: a thread must run its calls in order).
 ``gemm_f32_call`` / ``gemm_f16_call`` give the one call of a product that needs
 only one (decode always does) and refuse the others. ``matmul_nt`` packs its

@@ -2,7 +2,9 @@
 
 The weights come packed by runtime/layout_float.py: panels of NR = 16 weight
 rows, k-major inside a panel, so one k step of a panel is 16 contiguous
-weights (two ymm or one zmm of f32; f16 widened with VCVTPH2PS as it loads).
+weights (two ymm or one zmm of f32; f16 widened with VCVTPH2PS as it loads, bf16 by
+zero-extending each to 32 bits and shifting it up 16: both exact, so a BF16 model gives
+the same bits as its weights widened to f32 would).
 The activations A stay as they are (row-major, any row stride): each k step
 broadcasts one element of each row of the tile.
 
@@ -38,7 +40,7 @@ line of each stream); the other tiles read them from L2.
     llb_gemm_<wtype>_f32_<tile>__<isa>(a, w, out, lda, ldo, ncols, m, kc, panel_stride, accumulate)
 
     a             &A[0, k0]                  f32, row stride lda elements
-    w             &panel[n0 / 16][k0][0]     f32 or f16 (as uint16), panel stride panel_stride elements
+    w             &panel[n0 / 16][k0][0]     f32, or f16 or bf16 (as uint16), panel stride panel_stride elements
     out           &C[0, n0]                  f32, row stride ldo elements
     ncols         columns to compute from n0; m rows; kc k steps from k0
     accumulate    0: C = A . W^T over the block; 1: C += (continuing each chain)
@@ -47,7 +49,7 @@ import itertools
 from dataclasses import dataclass
 
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
-                            LocalVariable, JA, JBE, AND, VMOVAPS, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
+                            LocalVariable, JA, JBE, AND, VMOVAPS, VPMOVZXWD, VPSLLD, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
                             VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
 
 from .common import Kernel, function, symbol, tail_mask
@@ -64,8 +66,19 @@ K_UNROLL = 4          # k steps per main-loop iteration
 PREFETCH_DISTANCE = 16384
 
 # Bytes of one element of the weight panel, by weight type.
-WEIGHT_BYTES = {"f32": 4, "f16": 2}
-WEIGHT_C_TYPE = {"f32": "const float*", "f16": "const uint16_t*"}
+WEIGHT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+WEIGHT_C_TYPE = {"f32": "const float*", "f16": "const uint16_t*", "bf16": "const uint16_t*"}
+WEIGHT_TYPES = tuple(WEIGHT_BYTES)
+
+
+def widen(reg, at, weight_type):
+    """reg = f32 of the 2-byte weights at ``at`` (as many as reg has lanes), exactly: f16 with
+    F16C; bf16 is the high half of its f32, so zero-extend to 32 bits and shift up 16."""
+    if weight_type == "f16":
+        VCVTPH2PS(reg, at)
+    else:
+        VPMOVZXWD(reg, at)
+        VPSLLD(reg, reg, 16)
 
 
 @dataclass(frozen=True)
@@ -87,12 +100,17 @@ TILINGS = {
 }
 # the ymm tiles of the columns after the last whole block (both ISAs)
 EDGE_ROWS = 6
-# AVX-512 f16 with at least this many rows: each block's weights are widened to f32 once per
+# AVX-512 f16 and bf16 with at least this many rows: each block's weights are widened to f32 once per
 # CHUNK_K k steps into a stack buffer that every row tile then reads, instead of once per
 # row tile (VCVTPH2PS zmm takes two uops on the FMA ports: 3 of them beside a k step's 24
 # FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
+# The chunk is long: the buffer (3 panels x CHUNK_K x 64 bytes, 192 KiB) then sits in L2 as
+# the f32 panels do, and each row tile streams it whole. Short chunks that stay in L1 were
+# slower at m = 512 in A/B runs (README, "Float models"), and so was k-chunking the f32
+# kernel the same way (CHUNK_F32, kept for such runs). The stack must hold the buffer.
 CONVERT_MIN_ROWS = 32
-CHUNK_K = 256
+CHUNK_K = 1024
+CHUNK_F32 = False
 
 # Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
 UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
@@ -197,7 +215,7 @@ def load_weights(regs, address, weight_type, lanes):
         if weight_type == "f32":
             VMOVUPS(reg, at)
         else:
-            VCVTPH2PS(reg, at)
+            widen(reg, at, weight_type)
 
 
 def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
@@ -445,13 +463,14 @@ def emit_edge_panel(g, args, weight_type):
 
 
 class ConvertFrame:
-    """Stack slots of the converted f16 path (codegen/gemm.py CONVERT_MIN_ROWS)."""
+    """Stack slots of the k-chunked path (CONVERT_MIN_ROWS): the widened f16/bf16 chunk and
+    the chunk loop's state."""
 
-    def __init__(self, block_panels):
+    def __init__(self, block_panels, weight_type="f16"):
         self.panel_bytes = CHUNK_K * NR * 4
         # aligned by hand: PeachPy 2021 gives an aligned LocalVariable an rbp frame and then
-        # hands rbp out as a register too
-        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8)
+        # hands rbp out as a register too; f32 needs no buffer (its tiles read the panels)
+        self.scratch = LocalVariable(block_panels * self.panel_bytes + 64, alignment=8) if weight_type != "f32" else None
         self.k_left, self.chunk_len, self.chunk_a, self.chunk_w, self.chunk_acc = \
             (LocalVariable(8) for _ in range(5))
 
@@ -462,7 +481,7 @@ class ConvertFrame:
         AND(reg, -64)
 
 
-def emit_convert(frame, args, n_panels, count):
+def emit_convert(frame, args, n_panels, count, weight_type="f16"):
     """scratch[p][kk][:] = f32(W[p][k0 + kk][:]) for kk < count (consumed), p < n_panels."""
     src, dst, stride = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
     MOV(src, frame.chunk_w)
@@ -479,7 +498,7 @@ def emit_convert(frame, args, n_panels, count):
             for p, reg in enumerate(regs):
                 if u % 2 == 0:
                     PREFETCHT0(panel(p, PREFETCH_DISTANCE + 32 * u))
-                VCVTPH2PS(reg, panel(p, 32 * u))
+                widen(reg, panel(p, 32 * u), weight_type)
                 VMOVAPS([dst + (p * frame.panel_bytes + 64 * u)], reg)
         ADD(src, 32 * count_steps)
         ADD(dst, 64 * count_steps)
@@ -499,9 +518,13 @@ def emit_convert(frame, args, n_panels, count):
     LABEL(last)
 
 
-def emit_block_converted(g, args, t, frame):
-    """One whole block of f16 panels, CHUNK_K k steps at a time: widen the chunk into the
-    stack buffer, then run every row tile over it (continuing each chain after the first)."""
+def emit_block_converted(g, args, t, frame, weight_type="f16"):
+    """One whole block, CHUNK_K k steps at a time, every row tile running over a chunk
+    before the next (continuing each chain after the first), so every row tile reuses the
+    chunk's weights from cache. f16 and bf16: each chunk is first widened into the stack
+    buffer that the tiles read; f32 (CHUNK_F32): the tiles read the panels in place (the
+    first prefetching)."""
+    converts = weight_type != "f32"
     reg = GeneralPurposeRegister64()
     LOAD.ARGUMENT(reg, args["kc"])
     MOV(frame.k_left, reg)
@@ -512,7 +535,7 @@ def emit_block_converted(g, args, t, frame):
     LOAD.ARGUMENT(accumulate, args["accumulate"])
     MOV(frame.chunk_acc, accumulate)
     src = Source(args, "f32", count=frame.chunk_len, accumulate=frame.chunk_acc,
-                 panel_bytes=frame.panel_bytes, prefetch=False)
+                 panel_bytes=frame.panel_bytes if converts else None, prefetch=not converts)
 
     chunks = Loop(_unique("chunks"))
     with chunks:
@@ -523,17 +546,22 @@ def emit_block_converted(g, args, t, frame):
         MOV(count, CHUNK_K)
         LABEL(whole)
         MOV(frame.chunk_len, count)
-        emit_convert(frame, args, t.block_panels, count)
+        if converts:
+            emit_convert(frame, args, t.block_panels, count, weight_type)
 
-        def emit_one(rows, a_row, out_row):
-            scratch = GeneralPurposeRegister64()
-            frame.scratch_address(scratch)
-            emit_tile(rows, t.block_panels, t.lanes, a_row, scratch, out_row, g, src, owns_w_panel=True)
+        def emit_one(rows, a_row, out_row, prefetch=True):
+            panel = GeneralPurposeRegister64()
+            if converts:
+                frame.scratch_address(panel)
+            else:
+                MOV(panel, frame.chunk_w)
+            emit_tile(rows, t.block_panels, t.lanes, a_row, panel, out_row, g, src, owns_w_panel=True,
+                      prefetch=prefetch)
 
-        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a)
+        emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a, streams=not converts)
         MOV(frame.chunk_acc, 1)
         ADD(frame.chunk_a, CHUNK_K * 4)
-        ADD(frame.chunk_w, CHUNK_K * NR * 2)
+        ADD(frame.chunk_w, CHUNK_K * NR * WEIGHT_BYTES[weight_type])
         SUB(frame.k_left, CHUNK_K)
         JA(chunks.begin)
 
@@ -560,8 +588,8 @@ def emit_gemm(isa, weight_type):
     with fn:
         # The first six arguments live in registers for the whole call; the
         # rest are re-read from the stack where needed (GP registers are short).
-        converts = isa == "avx512" and weight_type == "f16"
-        frame = ConvertFrame(t.block_panels) if converts else None
+        converts = isa == "avx512" and (weight_type != "f32" or CHUNK_F32)
+        frame = ConvertFrame(t.block_panels, weight_type) if converts else None
         g = Globals(in_frame=converts)
         g.load(args)
         block_columns = t.block_panels * NR
@@ -575,7 +603,7 @@ def emit_gemm(isa, weight_type):
                 LOAD.ARGUMENT(m, args["m"])
                 CMP(m, CONVERT_MIN_ROWS)
                 JB(few_rows)
-                emit_block_converted(g, args, t, frame)
+                emit_block_converted(g, args, t, frame, weight_type)
                 JMP(block_done)
                 LABEL(few_rows)
             emit_block(g, args, weight_type, t)
@@ -601,4 +629,4 @@ def emit_gemm(isa, weight_type):
 
 
 def emit(isa):
-    return [emit_gemm(isa, weight_type) for weight_type in ("f32", "f16")]
+    return [emit_gemm(isa, weight_type) for weight_type in WEIGHT_TYPES]

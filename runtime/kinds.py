@@ -38,6 +38,7 @@ TRAITS = {t.kind: t for t in (
     KindTraits("q5_k", activation="q8", linear="qgemm"),
     KindTraits("f32", activation="f32", linear="gemm_f32"),
     KindTraits("f16", activation="f32", linear="gemm_f16"),
+    KindTraits("bf16", activation="f32", linear="gemm_bf16"),
 )}
 
 

@@ -1,4 +1,4 @@
-"""BF16 weight layout "bf16" (for the AVX512_BF16 kernel, codegen/gemm_bf16.py) and the
+"""BF16 weight layout "bf16_pairs" (for the AVX512_BF16 kernel, codegen/gemm_bf16.py) and the
 bf16 activations it multiplies.
 
     panels[p, kk, j, e] = W[16 p + j, 2 kk + e]      shape [ceil(n / 16), ceil(k / 2), 16, 2], uint16
@@ -11,8 +11,9 @@ zero. The bits are GGUF's, unchanged.
 Activations are converted to bf16 as llama.cpp's GGML_FP32_TO_BF16 does for its bf16
 vec_dot: round to nearest even, NaN kept quiet (``to_bf16``).
 
-Not yet a registered layout: GGUF BF16 tensors load as kind "f32" (exact); choosing "bf16"
-where the CPU has avx512_bf16 is the loader's call (see runtime/native/gemm_bf16.py).
+Not a registered layout: GGUF BF16 tensors load as kind "bf16" (runtime/layout_float.py,
+multiplied exactly in f32), which was the faster of the two at prefill where measured
+(README, "Float models").
 """
 import numpy as np
 
@@ -37,7 +38,7 @@ def _as_matrix(raw, n, k):
 
 
 def pack(gguf_type, raw, n, k):
-    """GGUF BF16 (raw bytes [n, 2k], as gguf.GGUFReader gives them) -> kind "bf16" panels."""
+    """GGUF BF16 (raw bytes [n, 2k], as gguf.GGUFReader gives them) -> kind "bf16_pairs" panels."""
     if gguf_type != "BF16":
         raise ValueError(f"layout_bf16: cannot pack GGUF type {gguf_type}")
     matrix = _as_matrix(raw, n, k)
@@ -46,7 +47,7 @@ def pack(gguf_type, raw, n, k):
     padded[:n, :k] = matrix
     panels = buffers.zeros((n_panels(n), kp, PANEL_ROWS, PAIR), np.uint16)
     panels[:] = padded.reshape(n_panels(n), PANEL_ROWS, kp, PAIR).transpose(0, 2, 1, 3)
-    return PackedWeight("bf16", n, k, {"panels": panels}, {"panel_rows": PANEL_ROWS})
+    return PackedWeight("bf16_pairs", n, k, {"panels": panels}, {"panel_rows": PANEL_ROWS})
 
 
 def dequantize(w):

@@ -1,4 +1,4 @@
-"""Float weight layouts "f32" and "f16": W[n, k] packed into panels of 16 rows.
+"""Float weight layouts "f32", "f16" and "bf16": W[n, k] packed into panels of 16 rows.
 
     panels[p, kk, j] = W[16 p + j, kk]        shape [ceil(n / 16), k, 16]
 
@@ -16,10 +16,11 @@ sequential stream and never gathers. Why panels of 16 and not GGUF's rows:
   register for the masked edge stores;
 - padding costs < 16 rows per matrix (0 for the usual n, multiples of 64).
 
-"f32" holds F32 and BF16 weights (BF16 -> f32 is exact: the 16 bits are the
-high half of the f32). "f16" keeps F16 weights as f16: half the bytes of f32,
+"f32" holds F32 weights. "f16" keeps F16 weights as f16: half the bytes of f32,
 which is what a memory-bound decode step pays for; the kernel widens them with
-F16C (VCVTPH2PS) as it loads them, also exact.
+F16C (VCVTPH2PS) as it loads them, also exact. "bf16" keeps BF16 weights' 16 bits
+(uint16) the same way; the kernel widens them exactly (a bf16 is the high half of
+its f32), so a BF16 model computes what its weights widened to f32 would.
 """
 import numpy as np
 
@@ -28,7 +29,8 @@ from .layouts import Layout, PackedWeight, register
 
 PANEL_ROWS = 16        # codegen/gemm.py NR
 
-_PANEL_DTYPE = {"f32": np.float32, "f16": np.float16}
+_PANEL_DTYPE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+_KIND = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 
 def n_panels(n):
@@ -53,14 +55,13 @@ def _as_matrix(gguf_type, raw, n, k):
                          f"(shape {raw.shape})")
     matrix = np.ascontiguousarray(raw).reshape(n, k * per_element)
     if gguf_type == "BF16":
-        high_halves = matrix.view("<u2").astype(np.uint32)
-        return (high_halves << 16).view(np.float32)
+        return matrix.view("<u2")
     return matrix
 
 
 def pack(gguf_type, raw, n, k):
-    """GGUF F32 / BF16 -> kind "f32", F16 -> kind "f16": W[n, k] as panels (see module doc)."""
-    kind = "f16" if gguf_type == "F16" else "f32"
+    """GGUF F32 -> kind "f32", F16 -> "f16", BF16 -> "bf16": W[n, k] as panels (see module doc)."""
+    kind = _KIND.get(gguf_type, "f32")     # an unknown type is refused by _as_matrix
     matrix = _as_matrix(gguf_type, raw, n, k)
     panels = buffers.zeros((n_panels(n), k, PANEL_ROWS), _PANEL_DTYPE[kind])
     full = n // PANEL_ROWS
@@ -72,8 +73,7 @@ def pack(gguf_type, raw, n, k):
 
 def dequantize(w):
     """W[n, k] as f32 (exact for every source type)."""
-    panels = w.arrays["panels"]
-    return panels.transpose(0, 2, 1).reshape(-1, w.k)[:w.n].astype(np.float32)
+    return _as_f32(w.arrays["panels"].transpose(0, 2, 1).reshape(-1, w.k)[:w.n])
 
 
 def rows(w, ids):
@@ -84,8 +84,16 @@ def rows(w, ids):
     if ids.size and (ids.min() < 0 or ids.max() >= w.n):
         raise ValueError(f"ids: out of range [0, {w.n})")
     panels = w.arrays["panels"]
-    return panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS].astype(np.float32)
+    return _as_f32(panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS])
 
 
-register(Layout("f32", ("F32", "BF16"), pack, dequantize, rows))
+def _as_f32(values):
+    """Panel values as f32: bf16 bits (uint16) are the high half of theirs."""
+    if values.dtype == np.uint16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
+
+
+register(Layout("f32", ("F32",), pack, dequantize, rows))
 register(Layout("f16", ("F16",), pack, dequantize, rows))
+register(Layout("bf16", ("BF16",), pack, dequantize, rows))

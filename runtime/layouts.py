@@ -17,8 +17,9 @@ meaning depends on ``kind``:
     q4_k    qs (nibbles as q4_1), scales (per super-block: f16 d, -dmin, u8 block scales, mins)
             -- Q4_K weights (layout_kquant.py)
     q5_k    qs (nibbles as q4_1, then the high bits), scales (as q4_k) -- Q5_K weights
-    f32     panels of f32                                            -- F32 and BF16 weights
+    f32     panels of f32                                            -- F32 weights
     f16     panels of f16                                            -- F16 weights
+    bf16    panels of bf16 bits (uint16), widened exactly by the GEMM -- BF16 weights
 
 The weight file stores exactly these arrays, so loading is mapping them.
 ``pack`` / ``dequantize`` / ``rows`` dispatch on kind to the module that owns

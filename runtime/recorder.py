@@ -261,10 +261,13 @@ class PlanRecorder:
                   OpInfo(f"qgemm_{w.kind}", 2.0 * m * w.n * w.k, w.nbytes + qs.nbytes + 4.0 * out.size))
 
     def gemm_f32(self, x, w, out):
-        self._gemm(n_gemm.gemm_f32_calls, "gemm_f32", x, w, out)
+        self._gemm(n_gemm.gemm_f32_calls_ranges, "gemm_f32", x, w, out)
 
     def gemm_f16(self, x, w, out):
-        self._gemm(n_gemm.gemm_f16_calls, "gemm_f16", x, w, out)
+        self._gemm(n_gemm.gemm_f16_calls_ranges, "gemm_f16", x, w, out)
+
+    def gemm_bf16(self, x, w, out):
+        self._gemm(n_gemm.gemm_bf16_calls_ranges, "gemm_bf16", x, w, out)
 
     def _gemm(self, make_calls, name, x, w, out):
         # A large product is several kernel calls per column range (m and k blocks), to be
@@ -272,9 +275,14 @@ class PlanRecorder:
         # Each step a dynamic op over the same column chunks; the step order per column
         # is kept by the barriers between the steps (each writes what the last wrote).
         # Columns only (batch invariance), in whole column blocks of the kernels when n allows.
-        multiple = n_gemm.SPLIT_COLUMNS if w.n >= 2 * n_gemm.SPLIT_COLUMNS else LINE
+        if w.n >= 2 * n_gemm.SPLIT_COLUMNS:
+            multiple = n_gemm.SPLIT_COLUMNS
+        elif w.n >= 2 * n_gemm.SPLIT_COLUMNS_NARROW:
+            multiple = n_gemm.SPLIT_COLUMNS_NARROW
+        else:
+            multiple = LINE
         long_op = 2.0 * x.shape[0] * w.n * w.k > LONG_OP_FLOPS or w.nbytes > LONG_OP_BYTES
-        per_chunk = self._split(w.n, multiple, lambda r: make_calls(x, w, out, rows=r),
+        per_chunk = self._split(w.n, multiple, None, make_calls=lambda rs: make_calls(x, w, out, rs),
                                 per_thread=CHUNKS_PER_THREAD_LONG if long_op else CHUNKS_PER_THREAD)
         steps = len(per_chunk[0])
         for step in range(steps):

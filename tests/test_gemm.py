@@ -19,7 +19,7 @@ import contextlib
 import gguf
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from helpers import assert_refused, float_arrays, nan_buffer
 from llambda.runtime import buffers, layouts
@@ -50,7 +50,7 @@ def gguf_raw(gguf_type, matrix):
 
 
 def gemm_for(backend, kind):
-    return backend.gemm_f16 if kind == "f16" else backend.gemm_f32
+    return getattr(backend, f"gemm_{kind}")
 
 
 def assert_close_to_exact(got, x, weights, what):
@@ -137,6 +137,45 @@ def test_gemm_rows_are_batch_invariant(native, data, m, n, k, gguf_type):
         assert_same_bits(one_row(gemm, x, row, w, isa)[None], alone[row:row + 1], f"{w.kind} {isa} m=1")
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.data(), st.sampled_from(["F16", "F32", "BF16"]))
+def test_gemm_k_chunks_are_invariant_and_exact(native, ref, data, gguf_type):
+    """The AVX-512 kernel from CONVERT_MIN_ROWS rows on runs each column block CHUNK_K k
+    steps at a time (f16: widened into a stack buffer once a chunk): k on either side of a
+    chunk boundary gives the exact product within the module's bound, and every row the
+    same bits as alone on AVX2 (m = 1)."""
+    from llambda.codegen.gemm import CHUNK_K, CONVERT_MIN_ROWS
+    m = data.draw(st.sampled_from([CONVERT_MIN_ROWS, CONVERT_MIN_ROWS + 1, CONVERT_MIN_ROWS + 7, 49]))
+    n = data.draw(st.sampled_from([48, 49, 95, 97, 144]))
+    k = data.draw(st.sampled_from([CHUNK_K - 1, CHUNK_K, CHUNK_K + 1, 2 * CHUNK_K + 5]))
+    x = float_arrays(data.draw, (m, k))
+    w = layout_float.pack(gguf_type, gguf_raw(gguf_type, float_arrays(data.draw, (n, k))), n, k)
+    gemm = gemm_for(native, w.kind)
+    for isa in native_gemm.gemm_isas():
+        out = nan_buffer((m, n))
+        gemm(x, w, out, isa=isa)
+        assert_close_to_exact(out, x, layout_float.dequantize(w), f"{w.kind} {isa} m={m} k={k}")
+        rows = sorted({0, m - 1, data.draw(st.integers(0, m - 1))})
+        for i in rows:
+            assert_same_bits(out[i], one_row(gemm, x, i, w, "avx2"), f"{w.kind} {isa} row {i} of {m}, k={k}")
+
+
+@given(st.data(), m_sizes, n_sizes, st.one_of(k_sizes, st.integers(1000, 1100)))
+def test_bf16_weights_give_the_bits_of_their_f32_widening(native, data, m, n, k):
+    """Kind "bf16" keeps the 16 bits and widens them in the kernel: every output has the bits
+    the same weights packed as f32 give, on every kernel variant (so on every CPU)."""
+    x = float_arrays(data.draw, (m, k))
+    raw = gguf_raw("BF16", float_arrays(data.draw, (n, k)))
+    wb = layout_float.pack("BF16", raw, n, k)
+    w32 = layout_float.pack("F32", layout_float.dequantize(wb), n, k)
+    want = nan_buffer((m, n))
+    native.gemm_f32(x, w32, want, isa="avx2")
+    for isa in native_gemm.gemm_isas():
+        got = nan_buffer((m, n))
+        native.gemm_bf16(x, wb, got, isa=isa)
+        assert_same_bits(got, want, f"bf16 {isa} m={m} n={n} k={k}")
+
+
 def one_row(gemm, x, i, w, isa):
     """Row i of x . W^T computed alone (m = 1; the binding wants 32-byte aligned rows)."""
     out = nan_buffer((1, w.n))
@@ -220,8 +259,12 @@ def test_panels_are_aligned_k_major_and_zero_padded(gguf_tensors):
     assert panels.ctypes.data % buffers.ALIGNMENT == 0
     np.testing.assert_array_equal(panels[1, :, 0], tensor.data[16])
     assert not panels[1, :, 1:].any()
-    assert layouts.LAYOUTS["f32"].source_types == ("F32", "BF16")
+    assert layouts.LAYOUTS["f32"].source_types == ("F32",)
     assert layouts.LAYOUTS["f16"].source_types == ("F16",)
+    assert layouts.LAYOUTS["bf16"].source_types == ("BF16",)
+    wb = layout_float.pack("BF16", gguf.quants.quantize(tensor.data.astype(np.float32), gguf.GGMLQuantizationType.BF16),
+                           17, 9)
+    assert (wb.kind, wb.arrays["panels"].dtype, wb.arrays["panels"].shape) == ("bf16", np.uint16, (2, 9, PANEL))
 
 
 def test_pack_rejects_bad_tensors():
@@ -250,6 +293,7 @@ def test_gemm_rejects_bad_arguments(native):
         ("out: array is read-only", lambda: native.gemm_f32(x, w32, read_only(buffers.zeros((m, n))))),
         ("w: expected a PackedWeight of kind 'f16'", lambda: native.gemm_f16(x, w32, out)),
         ("w: expected a PackedWeight of kind 'f32'", lambda: native.gemm_f32(x, w16, out)),
+        ("w: expected a PackedWeight of kind 'bf16'", lambda: native.gemm_bf16(x, w16, out)),
         ("w: expected a PackedWeight", lambda: native.gemm_f32(x, np.ones((n, k), np.float32), out)),
         ("w.panels: expected shape", lambda: native.gemm_f32(x, PackedWeight("f32", n + 16, k, w32.arrays), out)),
         ("w.panels: expected a numpy array", lambda: native.gemm_f32(x, PackedWeight("f32", n, k, {}), out)),

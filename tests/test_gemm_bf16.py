@@ -60,7 +60,7 @@ def test_gemm_bf16_matches_exact_product(data, m, n, k):
     xb = layout_bf16.to_bf16(x)
     n0 = PANEL * data.draw(st.integers(0, (n - 1) // PANEL))
     n1 = data.draw(st.integers(n0 + 1, n))
-    for gemm in (native_bf16.gemm_bf16, ref_bf16.gemm_bf16):
+    for gemm in (native_bf16.gemm_bf16_pairs, ref_bf16.gemm_bf16_pairs):
         out = nan_buffer((m, n))
         gemm(xb, w, out, rows=(n0, n1))
         assert_within(out[:, n0:n1], layout_bf16.from_bf16(xb, k), weights[n0:n1], 0.0, gemm.__module__)
@@ -76,20 +76,20 @@ def test_gemm_bf16_rows_are_batch_invariant(data, m, n, k):
     alone = np.empty((m, n), np.float32)
     for i in range(m):
         one = nan_buffer((1, n))
-        native_bf16.gemm_bf16(buffers.aligned_copy(xb[i:i + 1]), w, one)
+        native_bf16.gemm_bf16_pairs(buffers.aligned_copy(xb[i:i + 1]), w, one)
         alone[i] = one[0]
     out = nan_buffer((m, n))
-    native_bf16.gemm_bf16(xb, w, out)
+    native_bf16.gemm_bf16_pairs(xb, w, out)
     assert_same_bits(out, alone, f"m={m}")
     perm = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).permutation(m)
     out = nan_buffer((m, n))
-    native_bf16.gemm_bf16(buffers.aligned_copy(xb[perm]), w, out)
+    native_bf16.gemm_bf16_pairs(buffers.aligned_copy(xb[perm]), w, out)
     assert_same_bits(out, alone[perm], "rows permuted")
     split = PANEL * data.draw(st.integers(0, (n - 1) // PANEL))
     out = nan_buffer((m, n))
     if split:
-        native_bf16.gemm_bf16(xb, w, out, rows=(0, split))
-    native_bf16.gemm_bf16(xb, w, out, rows=(split, n))
+        native_bf16.gemm_bf16_pairs(xb, w, out, rows=(0, split))
+    native_bf16.gemm_bf16_pairs(xb, w, out, rows=(split, n))
     assert_same_bits(out, alone, f"columns split at {split}")
 
 
@@ -121,14 +121,14 @@ def test_gemm_bf16_rejects_bad_arguments():
     w = bf16_weight(np.ones((n, k), np.float32))
     xb, out = layout_bf16.to_bf16(np.ones((m, k), np.float32)), buffers.zeros((m, n))
     assert_refused([
-        ("w: expected a PackedWeight of kind 'bf16'",
-         lambda: native_bf16.gemm_bf16(xb, w.__class__("f32", n, k, w.arrays), out)),
-        ("xb: expected shape", lambda: native_bf16.gemm_bf16(buffers.zeros((m, k), np.uint16), w, out)),
-        ("xb: expected dtype uint16", lambda: native_bf16.gemm_bf16(buffers.zeros((m, k + 1)), w, out)),
-        ("out: expected shape", lambda: native_bf16.gemm_bf16(xb, w, buffers.zeros((m, n + 1)))),
-        ("rows: n0 must be a multiple of 16", lambda: native_bf16.gemm_bf16(xb, w, out, rows=(8, 20))),
+        ("w: expected a PackedWeight of kind 'bf16_pairs'",
+         lambda: native_bf16.gemm_bf16_pairs(xb, w.__class__("f32", n, k, w.arrays), out)),
+        ("xb: expected shape", lambda: native_bf16.gemm_bf16_pairs(buffers.zeros((m, k), np.uint16), w, out)),
+        ("xb: expected dtype uint16", lambda: native_bf16.gemm_bf16_pairs(buffers.zeros((m, k + 1)), w, out)),
+        ("out: expected shape", lambda: native_bf16.gemm_bf16_pairs(xb, w, buffers.zeros((m, n + 1)))),
+        ("rows: n0 must be a multiple of 16", lambda: native_bf16.gemm_bf16_pairs(xb, w, out, rows=(8, 20))),
         ("cannot pack GGUF type F16", lambda: layout_bf16.pack("F16", np.zeros((2, 3), np.float16), 2, 3)),
         ("do not make a", lambda: layout_bf16.pack("BF16", np.zeros(10, np.uint8), 2, 3)),
     ])
-    native_bf16.gemm_bf16(xb, w, out)
+    native_bf16.gemm_bf16_pairs(xb, w, out)
     np.testing.assert_array_equal(out, float(k))

@@ -11,7 +11,7 @@ overflow the caches, and % of one core's read bandwidth. Every call goes
 through the validating Python binding (~5-12 us), as a single op would; the
 model's plans call the kernels directly.
 numpy runs the same product in FP32 (x @ W.T with W dequantized).
-The float kinds (F32, F16) get one row per kernel variant the CPU runs (avx2, the
+The float kinds (F32, F16, BF16) get one row per kernel variant the CPU runs (avx2, the
 baseline, and avx512), each against the FMA peak of its own register width.
 """
 import argparse
@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
 MS = [1, 16, 128, 512]
-KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F32", "F16"]
+KINDS = ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F32", "F16", "BF16"]
 # No quantizer here for these: random valid blocks (the speed does not depend on the values).
 # Their rows need k % 256 == 0: other shapes skip them.
 RANDOM_BLOCK_KINDS = ("Q6_K", "Q3_K", "Q2_K")
@@ -110,7 +110,7 @@ def main(argv=None):
             # m = 1 streams weights: time it over copies that together overflow the caches
             copies = [w] + [_copy(w) for _ in range(-(-STREAM_BYTES // w.nbytes) - 1)]
             variants = [(kind, None)]
-            if w.kind in ("f32", "f16"):
+            if w.kind in n_gemm.KINDS:
                 variants = [(f"{kind} {isa}", isa) for isa in n_gemm.gemm_isas()]
             for m, (label, isa) in ((m, v) for m in ms for v in variants):
                 x = buffers.aligned_copy(rng.standard_normal((m, k), dtype=np.float32))
@@ -118,7 +118,7 @@ def main(argv=None):
                 if isa is None:
                     run = lin
                 else:
-                    op = n_gemm.gemm_f16 if w.kind == "f16" else n_gemm.gemm_f32
+                    op = getattr(n_gemm, f"gemm_{w.kind}")
                     run = lambda x, c, out: op(x, c, out, isa=isa)       # noqa: E731
                 if m == 1:
                     t = _time(lambda: [run(x, c, out) for c in copies]) / len(copies)

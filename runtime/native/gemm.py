@@ -1,9 +1,10 @@
 """Bindings: the float linear layer C[m, n] = A[m, k] . W[n, k]^T (codegen/gemm.py).
 
-``gemm_f32_calls`` / ``gemm_f16_calls`` validate like the ops and return the
-kernel calls the op makes, ``[(symbol, args), ...]`` in order, args in the
-kernel's C argument order; ``rows=(n0, n1)`` restricts them to one thread's
-output columns. Large products are cache-blocked into several calls (row
+``gemm_f32_calls`` / ``gemm_f16_calls`` / ``gemm_bf16_calls`` (weight kinds "f32", "f16",
+"bf16") validate like the ops and return the kernel calls the op makes,
+``[(symbol, args), ...]`` in order, args in the kernel's C argument order; ``rows=(n0, n1)``
+restricts them to one thread's output columns (``*_calls_ranges``: for many ranges, the
+arrays validated once, as a plan's chunks want). Large products are cache-blocked into several calls (row
 blocks, and k blocks that add into out: a thread must run its calls in order).
 ``gemm_f32_call`` / ``gemm_f16_call`` give the one call of a product that needs
 only one (decode always does) and refuse the others. ``matmul_nt`` packs its
@@ -27,7 +28,8 @@ from ..layout_float import PANEL_ROWS, n_panels, pack
 from ..layouts import PackedWeight
 from ._lib import checked_address, index_range, kernel
 
-__all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
+__all__ = ["gemm_f32", "gemm_f16", "gemm_bf16", "matmul_nt"]
+KINDS = ("f32", "f16", "bf16")
 
 ROW_TILE = 6            # rows of the AVX2 kernel's main tile (codegen/gemm.py TILINGS)
 # Cache blocking. Every output is one FMA chain over k in order whatever the blocking
@@ -48,6 +50,10 @@ AVX512_MIN_ROWS = 1
 # Threads split the columns in multiples of this (runtime/recorder.py): whole column
 # blocks of both kernels (2 and 3 panels), so no thread ends in a narrow edge tile.
 SPLIT_COLUMNS = 6 * PANEL
+# A product too narrow for two of those splits in blocks of the AVX-512 kernel (3 panels),
+# when it has two: a 192-column K or V projection in 16-column chunks ran every chunk on
+# the edge tiles (ymm, one panel wide), at half the zmm rate.
+SPLIT_COLUMNS_NARROW = 3 * PANEL
 
 F32 = np.dtype(np.float32)
 
@@ -61,7 +67,7 @@ def gemm_isas():
     """The float GEMM variants this CPU runs and the kernel library has, baseline first."""
     manifest = library.load("avx2").manifest
     return tuple(isa for isa in GEMM_TILES if not cpu.missing_flags(isa)
-                 and all(gemm_symbol(kind, isa) in manifest for kind in ("f32", "f16")))
+                 and all(gemm_symbol(kind, isa) in manifest for kind in KINDS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,6 +105,20 @@ def gemm_f16(x, w, out, rows=None, *, isa=None):
         kernel(symbol)(*args)
 
 
+def gemm_bf16(x, w, out, rows=None, *, isa=None):
+    """out[:, n0:n1] = x . W[n0:n1]^T for a PackedWeight of kind "bf16" (widened exactly to f32)."""
+    for symbol, args in gemm_bf16_calls(x, w, out, rows, isa=isa):
+        kernel(symbol)(*args)
+
+
+def gemm_bf16_calls(x, w, out, rows=None, *, isa=None):
+    return _gemm_calls("bf16", x, w, out, rows, isa)
+
+
+def gemm_bf16_call(x, w, out, rows=None, *, isa=None):
+    return _single_call("gemm_bf16", _gemm_calls("bf16", x, w, out, rows, isa))
+
+
 def gemm_f32_calls(x, w, out, rows=None, *, isa=None):
     return _gemm_calls("f32", x, w, out, rows, isa)
 
@@ -131,29 +151,50 @@ def _check_weight(kind, w):
         raise ValueError(f"w: expected a PackedWeight of kind {kind!r}, got {w.kind!r}")
     v.positive_int("w.n", w.n)
     v.positive_int("w.k", w.k)
-    dtype = np.float32 if kind == "f32" else np.float16
+    dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
     return checked_address("w.panels", w.arrays.get("panels"), dtype, (n_panels(w.n), w.k, PANEL_ROWS))
 
 
 def _gemm_calls(kind, x, w, out, rows, isa=None):
+    return _gemm_calls_ranges(kind, x, w, out, [rows], isa)[0]
+
+
+def gemm_f32_calls_ranges(x, w, out, ranges, *, isa=None):
+    """``gemm_f32_calls`` for each ``rows`` range in ``ranges``, the arrays validated once
+    (a plan's chunks of one product differ only in their columns)."""
+    return _gemm_calls_ranges("f32", x, w, out, ranges, isa)
+
+
+def gemm_f16_calls_ranges(x, w, out, ranges, *, isa=None):
+    return _gemm_calls_ranges("f16", x, w, out, ranges, isa)
+
+
+def gemm_bf16_calls_ranges(x, w, out, ranges, *, isa=None):
+    return _gemm_calls_ranges("bf16", x, w, out, ranges, isa)
+
+
+def _gemm_calls_ranges(kind, x, w, out, ranges, isa=None):
     panels_at = _check_weight(kind, w)
     n, k = w.n, w.k
     x_at = checked_address("x", x, F32, (None, k))
     m = x.shape[0]
     out_at = checked_address("out", out, F32, (m, n), writable=True)
-    n0, n1 = index_range("rows", rows, n, labels=("n0", "n1"), multiple=PANEL_ROWS, why=" (a panel start)")
-
     # A single row tile reads each weight once whatever the blocking: keep the stream whole.
     k_block = k if m <= ROW_TILE else K_BLOCK
-    weight_bytes = 2 if kind == "f16" else 4
+    weight_bytes = 4 if kind == "f32" else 2
     panel_stride = k * PANEL_ROWS
-    w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
     symbol = gemm_symbol(kind, gemm_isa(m, isa))
-    return [(symbol, [x_at + (m0 * k + k0) * 4,
-                      w_start + k0 * PANEL_ROWS * weight_bytes,
-                      out_at + (m0 * n + n0) * 4,
-                      k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride, int(k0 > 0)])
-            for m0 in range(0, m, M_BLOCK) for k0 in range(0, k, k_block)]
+    per_range = []
+    for rows in ranges:
+        n0, n1 = index_range("rows", rows, n, labels=("n0", "n1"), multiple=PANEL_ROWS, why=" (a panel start)")
+        w_start = panels_at + (n0 // PANEL_ROWS) * panel_stride * weight_bytes
+        per_range.append([(symbol, [x_at + (m0 * k + k0) * 4,
+                                    w_start + k0 * PANEL_ROWS * weight_bytes,
+                                    out_at + (m0 * n + n0) * 4,
+                                    k, n, n1 - n0, min(M_BLOCK, m - m0), min(k_block, k - k0), panel_stride,
+                                    int(k0 > 0)])
+                          for m0 in range(0, m, M_BLOCK) for k0 in range(0, k, k_block)])
+    return per_range
 
 
 def _single_call(op, calls):

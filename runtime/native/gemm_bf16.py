@@ -1,9 +1,9 @@
 """Bindings: the BF16 linear layer on AVX512_BF16 (codegen/gemm_bf16.py).
 
-``gemm_bf16(xb, w, out, rows=None)``: out[:, n0:n1] = xb . W[n0:n1]^T for a PackedWeight of
-kind "bf16" (runtime/layout_bf16.py) and activations already in bf16 (``layout_bf16.to_bf16``:
+``gemm_bf16_pairs(xb, w, out, rows=None)``: out[:, n0:n1] = xb . W[n0:n1]^T for a PackedWeight of
+kind "bf16_pairs" (runtime/layout_bf16.py) and activations already in bf16 (``layout_bf16.to_bf16``:
 uint16 [m, 2 ceil(k / 2)]). One kernel call per product (k is never blocked), so
-``gemm_bf16_call`` is what a plan records; threads split the columns (rows=, n0 a panel start).
+``gemm_bf16_pairs_call`` is what a plan records; threads split the columns (rows=, n0 a panel start).
 Only where the CPU has avx512_bf16 (``bf16_supported``); the kernel is the one variant, for
 every m, so a row's bits never depend on m.
 """
@@ -18,7 +18,7 @@ from ..layout_float import PANEL_ROWS, n_panels
 from ..layouts import PackedWeight
 from ._lib import checked_address, index_range, kernel
 
-__all__ = ["gemm_bf16"]
+__all__ = ["gemm_bf16_pairs"]
 
 SYMBOL = "llb_gemm_bf16_bf16_8x48__avx512"
 CPU_FLAG = "avx512_bf16"
@@ -31,18 +31,18 @@ def bf16_supported():
             and SYMBOL in library.load("avx2").manifest)
 
 
-def gemm_bf16(xb, w, out, rows=None):
-    symbol, args = gemm_bf16_call(xb, w, out, rows)
+def gemm_bf16_pairs(xb, w, out, rows=None):
+    symbol, args = gemm_bf16_pairs_call(xb, w, out, rows)
     kernel(symbol)(*args)
 
 
-def gemm_bf16_call(xb, w, out, rows=None):
+def gemm_bf16_pairs_call(xb, w, out, rows=None):
     if not bf16_supported():
         raise ValueError(f"gemm_bf16: this CPU lacks {CPU_FLAG} (or the kernel library has no {SYMBOL})")
     if not isinstance(w, PackedWeight):
         raise ValueError(f"w: expected a PackedWeight, got {type(w).__name__}")
-    if w.kind != "bf16":
-        raise ValueError(f"w: expected a PackedWeight of kind 'bf16', got {w.kind!r}")
+    if w.kind != "bf16_pairs":
+        raise ValueError(f"w: expected a PackedWeight of kind 'bf16_pairs', got {w.kind!r}")
     v.positive_int("w.n", w.n)
     v.positive_int("w.k", w.k)
     kp = k_pairs(w.k)

@@ -3,7 +3,7 @@ import numpy as np
 
 from ..layout_float import dequantize
 
-__all__ = ["gemm_f32", "gemm_f16", "matmul_nt"]
+__all__ = ["gemm_f32", "gemm_f16", "gemm_bf16", "matmul_nt"]
 
 
 def gemm_f32(x, w, out, rows=None):
@@ -14,6 +14,10 @@ def gemm_f32(x, w, out, rows=None):
 
 
 def gemm_f16(x, w, out, rows=None):
+    gemm_f32(x, w, out, rows)
+
+
+def gemm_bf16(x, w, out, rows=None):
     gemm_f32(x, w, out, rows)
 
 

@@ -1,9 +1,9 @@
 """numpy reference: the BF16 linear layer (bf16 activations and weights, f32 sums)."""
 from ..layout_bf16 import dequantize, from_bf16
 
-__all__ = ["gemm_bf16"]
+__all__ = ["gemm_bf16_pairs"]
 
 
-def gemm_bf16(xb, w, out, rows=None):
+def gemm_bf16_pairs(xb, w, out, rows=None):
     n0, n1 = rows if rows is not None else (0, w.n)
     out[:, n0:n1] = from_bf16(xb, w.k) @ dequantize(w)[n0:n1].T

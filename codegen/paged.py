@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from peachpy.x86_64 import (YMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
-                            VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            PREFETCHT0, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
@@ -259,6 +259,42 @@ def key_dots(heads, keys, frame, k_rows):
     return accs
 
 
+CACHE_LINE = 64
+PREFETCH_BLOCKS = 1                 # K rows asked for this many blocks ahead
+
+
+def prefetch_lines(address, bytes_slot):
+    """PREFETCHT0 every line of bytes_slot bytes from ``address`` (consumed)."""
+    lines = gp()
+    MOV(lines, bytes_slot)
+    ADD(lines, CACHE_LINE - 1)
+    SHR(lines, 6)
+    with Loop() as loop:
+        PREFETCHT0([address])
+        ADD(address, CACHE_LINE)
+        DEC(lines)
+        JNZ(loop.begin)
+
+
+def prefetch_blocks(frame, key):
+    """Ask for what the kernel reads next while this block's scores are computed: the V rows
+    of the block holding ``key`` (pass 3 reads them soon) and the K rows of the next block of
+    the row, if any. The cache is too big for the caches close to the core, and its blocks
+    sit anywhere, so the hardware prefetchers cannot guess the next block."""
+    block, address = gp(), gp()
+    MOV(block, key)
+    AND(block, -KV_BLOCK)
+    block_row_address(frame, block, frame.v_head, address)
+    prefetch_lines(address, frame.kv_stride)
+    ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
+    later = Block()
+    with later:
+        CMP(block, frame.row_last)
+        JA(later.end)
+        block_row_address(frame, block, frame.k_head, address)
+        prefetch_lines(address, frame.kv_stride)
+
+
 def emit_scores(heads, frame):
     """Score rows [head][key] = scale * q . k for the row's keys, run by run of its blocks."""
     keys = SCORE_KEYS[heads]
@@ -273,6 +309,7 @@ def emit_scores(heads, frame):
         k_rows, run, key, keys_left = gp(), gp(), gp(), gp()
         MOV(key, frame.key)
         MOV(keys_left, frame.keys_left)
+        prefetch_blocks(frame, key)
         block_row_address(frame, key, frame.k_head, k_rows)
         run_length(key, keys_left, run)
         ADD(key, run)

@@ -29,7 +29,7 @@ pairs of 32-bit values travel packed in one size_t each (low | high << 32):
 """
 from types import SimpleNamespace
 
-from peachpy.x86_64 import (YMMRegister, LocalVariable, LOAD, Loop, Block,
+from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, VEXTRACTF64X4, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
                             PREFETCHT0, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
@@ -126,8 +126,10 @@ def run_length(key, keys_left, out):
 
 # ---------------------------------------------------------------- frame
 
-def new_frame(arena):
-    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32)."""
+def new_frame(arena, isa="avx2"):
+    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32). The
+    scores and P V passes run on vectors of ``frame.lanes`` floats: 8 (ymm) for avx2, 16
+    (zmm) for avx512, whose kernels need head_dim % 16 == 0 (the binding checks)."""
     names = ["q_row", "out_row", "rows_left", "positions", "row_seq", "tables", "table_stride4",
              "table_row", "first", "n_keys", "window1", "h", "h1", "kv", "group_end", "group",
              "k", "v", "block_stride", "kv_stride", "row_stride", "hd4", "full_chunks", "tail",
@@ -135,14 +137,26 @@ def new_frame(arena):
              "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd",
              "seg", "seg0", "seg_step", "rec4", "stat", "seg_stride", "pbase", "dest_step", "phead", "hbase",
              "row_first", "row_last", "whole", "partial_scratch", "rec_heads", "combine_rec", "combine_count",
-             "combine_out"]
+             "combine_out", "pass_chunks"]
     frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
     frame.scale = LocalVariable(4)
     frame.arena = arena
     frame.half = arena == "f16"
     frame.q8 = arena == "q8_0"
     frame.head_dim = LocalVariable(8)
+    frame.wide = isa == "avx512"
+    frame.lanes = 16 if frame.wide else LANES
+    frame.vec = ZMMRegister if frame.wide else YMMRegister
+    frame.chunk = frame.lanes * FLOAT
+    frame.q8_chunks = KV_Q8_BLOCK // frame.lanes
     return frame
+
+
+def zeroed_vectors(frame, heads, n):
+    accs = [[frame.vec() for _ in range(n)] for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    return accs
 
 
 # ---------------------------------------------------------------- pass 1: scores
@@ -223,9 +237,88 @@ def key_dots_q8(heads, keys, frame, k_rows):
     return accs
 
 
+def key_dots_wide(heads, keys, frame, k_rows):
+    """key_dots on zmm (16 lanes; head_dim % 16 == 0): the accumulators over head_dim, each
+    folded to a ymm (high half + low half) for codegen/attention.py's reductions. f16 K
+    chunks converted from 16 halves, q8_0 from 16 quants times their block's scale; q from
+    memory for 3 heads (12 accumulators, a chunk and a scale fill the 16 registers)."""
+    hd4, kd, key_addr = key_addressing(frame, keys)
+    accs = zeroed_vectors(frame, heads, keys)
+    qd, kp = gp(), gp()
+    MOV(qd, frame.q_heads)
+    MOV(kp, k_rows)
+    kp4 = None
+    if keys > 4:
+        kp4 = gp()
+        LEA(kp4, [kp + kd * 4])
+    in_registers = heads < 3 or not frame.q8
+    if frame.q8:
+        ks = gp()
+        MOV(ks, k_rows)
+        ADD(ks, frame.head_dim)                      # the row's scales
+        ks4 = None
+        if keys > 4:
+            ks4 = gp()
+            LEA(ks4, [ks + kd * 4])
+        count = gp()
+        MOV(count, frame.head_dim)
+        SHR(count, 5)
+        per_step = frame.q8_chunks
+    else:
+        count = gp()
+        MOV(count, frame.pass_chunks)
+        per_step = 1
+    with Loop() as loop:
+        for c in range(per_step):
+            if in_registers:
+                q = [frame.vec() for _ in range(heads)]
+                for h in range(heads):
+                    VMOVUPS(q[h], row(qd, hd4, h, c * frame.chunk))
+            for key in range(keys):
+                k = frame.vec()
+                if frame.q8:
+                    d = frame.vec()
+                    VBROADCASTSS(d, key_addr(ks, ks4, key))
+                    quants = key_addr(kp, kp4, key)
+                    quants[0] = quants[0] + c * frame.lanes
+                    dequantized_chunk(k, quants, d)
+                elif frame.half:
+                    VCVTPH2PS(k, key_addr(kp, kp4, key))
+                else:
+                    VMOVUPS(k, key_addr(kp, kp4, key))
+                for h in range(heads):
+                    if in_registers:
+                        VFMADD231PS(accs[h][key], q[h], k)
+                    else:
+                        VFMADD231PS(accs[h][key], k, row(qd, hd4, h, c * frame.chunk))
+        ADD(qd, per_step * frame.chunk)
+        step = KV_Q8_BLOCK if frame.q8 else frame.lanes * ARENA_BYTES[frame.arena]
+        ADD(kp, step)
+        if kp4 is not None:
+            ADD(kp4, step)
+        if frame.q8:
+            ADD(ks, 4)
+            if ks4 is not None:
+                ADD(ks4, 4)
+        DEC(count)
+        JNZ(loop.begin)
+    folded = []
+    for accs_h in accs:
+        row_accs = []
+        for a in accs_h:
+            high = YMMRegister()
+            VEXTRACTF64X4(high, a, 1)
+            VADDPS(a.as_ymm, a.as_ymm, high)
+            row_accs.append(a.as_ymm)
+        folded.append(row_accs)
+    return folded
+
+
 def key_dots(heads, keys, frame, k_rows):
     """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
     order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
+    if frame.wide:
+        return key_dots_wide(heads, keys, frame, k_rows)
     if frame.q8:
         return key_dots_q8(heads, keys, frame, k_rows)
     if not frame.half:
@@ -362,7 +455,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
     """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
     the key block's V rows found run by run through the block table. The first key block
     stores, later blocks add to what out holds."""
-    accs = zeroed(heads, chunks)
+    accs = zeroed_vectors(frame, heads, chunks)
     probs, t = gp(), gp()
     MOV(probs, frame.kb_first)
     SHL(probs, 2)
@@ -405,21 +498,21 @@ def emit_pv_tile(heads, chunks, masked, frame):
         MOV(hd4, frame.kd)
         MOV(stride4, frame.stride4)
         with Loop() as keys:
-            p = ymms(heads)
+            p = [frame.vec() for _ in range(heads)]
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
             for c in range(chunks):
                 if frame.q8:
-                    if c % Q8_CHUNKS == 0:
-                        d = YMMRegister()
-                        VBROADCASTSS(d, [values + scales * 1 + c // Q8_CHUNKS * 4])
-                    vm = YMMRegister()
-                    dequantized_chunk(vm, [values + c * LANES], d)
+                    if c % frame.q8_chunks == 0:
+                        d = frame.vec()
+                        VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                    vm = frame.vec()
+                    dequantized_chunk(vm, [values + c * frame.lanes], d)
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 elif frame.half:
-                    vm = YMMRegister()
-                    VCVTPH2PS(vm, [values + c * CHUNK // 2])
+                    vm = frame.vec()
+                    VCVTPH2PS(vm, [values + c * frame.chunk // 2])
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 elif masked:
@@ -429,7 +522,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 else:
                     for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], [values + c * CHUNK])
+                        VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
             ADD(probs, FLOAT)
             ADD(values, hd4)
             DEC(run)
@@ -452,26 +545,26 @@ def emit_pv_tile(heads, chunks, masked, frame):
                     VMASKMOVPS(old, mask, row(out, hd4, h, c * CHUNK))
                     VADDPS(accs[h][c], accs[h][c], old)
                 else:
-                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * CHUNK))
+                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * frame.chunk))
     for h in range(heads):
         for c in range(chunks):
             if masked:
                 VMASKMOVPS(row(out, hd4, h, c * CHUNK), mask, accs[h][c])
             else:
-                VMOVUPS(row(out, hd4, h, c * CHUNK), accs[h][c])
+                VMOVUPS(row(out, hd4, h, c * frame.chunk), accs[h][c])
 
 
 def advance_offset(frame, chunks):
     t = gp()
     MOV(t, frame.offset)
-    ADD(t, chunks * CHUNK)
+    ADD(t, chunks * frame.chunk)
     MOV(frame.offset, t)
 
 
 def emit_pv(heads, frame):
     tile = (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
     # q8_0 (head_dim % 32 == 0) leaves only whole scale blocks after the full tiles
-    narrower = [c for c in range(1, tile) if not frame.q8 or c % Q8_CHUNKS == 0]
+    narrower = [c for c in range(1, tile) if not frame.q8 or c % frame.q8_chunks == 0]
     t = gp()
     MOV(frame.kb_first, 0)
     with Loop() as key_blocks:
@@ -484,7 +577,7 @@ def emit_pv(heads, frame):
         MOV(frame.kb_keys, block_keys)
 
         MOV(frame.offset, 0)
-        MOV(t, frame.full_chunks)
+        MOV(t, frame.pass_chunks)
         MOV(frame.chunks_left, t)
         full_tiles = Loop()
         CMP(frame.chunks_left, tile)
@@ -508,7 +601,7 @@ def emit_pv(heads, frame):
                     emit_pv_tile(heads, chunks, False, frame)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
-        if frame.arena == "f32":                     # f16, q8_0: no tail
+        if frame.arena == "f32" and not frame.wide:  # f16, q8_0, AVX-512: no tail
             masked = Block()
             with masked:
                 CMP(frame.tail, 0)
@@ -959,6 +1052,9 @@ def emit_setup(frame, args):
     SHR(t, 3)
     MOV(frame.full_chunks, t)
     MOV(t, head_dim)
+    SHR(t, frame.lanes.bit_length() - 1)
+    MOV(frame.pass_chunks, t)
+    MOV(t, head_dim)
     AND(t, LANES - 1)
     MOV(frame.tail, t)
     MOV(frame.head_dim, head_dim)
@@ -1026,7 +1122,7 @@ def emit_attention_paged(isa, arena):
     signature = typed(ATTENTION_SIGNATURE, arena, ("k_arena", "v_arena"))
     fn, args = function(symbol("attention_paged", arena, "", isa), signature, isa)
     with fn:
-        frame = new_frame(arena)
+        frame = new_frame(arena, isa)
         emit_setup(frame, args)
         with Loop() as rows:
             emit_row_keys(frame)
@@ -1319,7 +1415,12 @@ def emit_gather_rows(isa):
     return Kernel(fn, FAMILY, isa, tile="", args=GATHER_SIGNATURE)
 
 
+ISAS = ("avx2", "avx512")
+
+
 def emit(isa):
+    if isa == "avx512":                              # attention only: the rest is the AVX2 kernels'
+        return [emit_attention_paged(isa, arena) for arena in ARENA_BYTES]
     return ([emit_kv_store_paged(isa, arena) for arena in ARENA_BYTES]
             + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_attention_combine(isa),
                                                                               emit_gather_rows(isa)])

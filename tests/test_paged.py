@@ -144,6 +144,14 @@ def draw_head_range(data, n):
     return h0, data.draw(st.integers(h0 + 1, n), label="h1")
 
 
+def draw_isa(data, head_dim):
+    """An attention variant this machine runs for head_dim (avx2, the baseline, always)."""
+    from llambda.runtime.native import paged as n_paged
+    isas = [isa for isa in n_paged.attention_isas()
+            if isa == "avx2" or head_dim % n_paged.WIDE_HEAD_DIM_MULTIPLE == 0]
+    return data.draw(st.sampled_from(isas), label="isa")
+
+
 def scratch_for(native, step):
     return native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK)
 
@@ -163,8 +171,10 @@ def test_attention_paged_matches_reference(native, ref, data):
     want, got = np.full(q.shape, np.nan), nan_buffer(q.shape)
     ref.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, want,
                         ref.paged_attention_scratch(1), heads=heads, window=step.window)
-    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, got,
-                           scratch_for(native, step), heads=heads, window=step.window)
+    from llambda.runtime.native import paged as n_paged
+    n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, got,
+                            scratch_for(native, step), heads=heads, window=step.window,
+                            isa=draw_isa(data, head_dim))
 
     atol = tolerance(q, keys, values, step, scale, exact, n_head // n_kv)
     error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
@@ -753,7 +763,7 @@ LONG_LENGTHS = st.one_of(st.sampled_from([KV_SEGMENT - 1, KV_SEGMENT, KV_SEGMENT
 
 def draw_long_step(data, arena_type):
     n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
-    head_dim = data.draw(st.sampled_from({"f32": [1, 9, 64, 65], "f16": [8, 64], "q8_0": [32, 64]}[arena_type]),
+    head_dim = data.draw(st.sampled_from({"f32": [1, 9, 16, 64, 65], "f16": [8, 16, 64], "q8_0": [32, 64, 96]}[arena_type]),
                          label="head_dim")
     n_seq = data.draw(st.integers(1, 2), label="sequences")
     lengths = [data.draw(LONG_LENGTHS, label="length") for _ in range(n_seq)]
@@ -790,7 +800,7 @@ def stored(arena, arena_type, head_dim):
 @settings(max_examples=30)
 @given(st.data(), st.sampled_from(["f32", "f16", "q8_0"]))
 def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_type):
-    """Long contexts (several KV_SEGMENT segments, windows across their boundaries): any split
+    """Either attention variant (avx2, avx512 where the CPU has it). Long contexts (several KV_SEGMENT segments, windows across their boundaries): any split
     of the segments between calls (seg0 mod step), any head split, then the combine, gives the
     whole call's bits; a row alone gives the same bits; both are within the reference's
     tolerance (on the values as stored)."""
@@ -802,10 +812,11 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     v_arena, v_seen = stored(step.arena(values), arena_type, head_dim)
     scratch = scratch_for(native, step)
     m = len(q)
+    isa = draw_isa(data, head_dim)
 
     whole = nan_buffer(q.shape)
-    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, whole, scratch,
-                           window=step.window)
+    n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, whole, scratch,
+                            window=step.window, isa=isa)
     want = np.full(q.shape, np.nan)
     ref.attention_paged(q, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
                         None, window=step.window)
@@ -827,15 +838,16 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
             for seg0 in range(seg_step):
                 symbol, args = n_paged.attention_paged_call(
                     q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, nan_buffer(q.shape),
-                    scratch, heads=heads, window=step.window, partials=partials, segments=(seg0, seg_step))
+                    scratch, heads=heads, window=step.window, partials=partials, segments=(seg0, seg_step), isa=isa)
                 kernel(symbol)(*args)
     split = nan_buffer(q.shape)
     n_paged.attention_combine(partials, step.positions, step.tables, split, window=step.window)
     np.testing.assert_array_equal(split, whole)
     for i in range(m):
         alone = nan_buffer((1,) + q.shape[1:])
-        native.attention_paged(buffers.aligned_copy(q[i:i + 1]), k_arena, v_arena, i32(step.positions[i:i + 1]),
-                               i32(step.row_seq[i:i + 1]), step.tables, scale, alone, scratch, window=step.window)
+        n_paged.attention_paged(buffers.aligned_copy(q[i:i + 1]), k_arena, v_arena, i32(step.positions[i:i + 1]),
+                                i32(step.row_seq[i:i + 1]), step.tables, scale, alone, scratch, window=step.window,
+                                isa=isa)
         np.testing.assert_array_equal(alone[0], whole[i])
     if m > 1:                                          # a chunk of rows
         r = data.draw(st.integers(1, m - 1), label="row cut")
@@ -843,6 +855,6 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
         for rows in ((0, r), (r, m)):
             symbol, args = n_paged.attention_paged_call(q, k_arena, v_arena, step.positions, step.row_seq,
                                                         step.tables, scale, by_rows, scratch, window=step.window,
-                                                        rows=rows)
+                                                        rows=rows, isa=isa)
             kernel(symbol)(*args)
         np.testing.assert_array_equal(by_rows, whole)

@@ -22,11 +22,13 @@ any valid row can see (max_blocks * KV_BLOCK, or the window), so valid indices n
 overrun it.
 """
 import functools
+import os
 
 import numpy as np
 
 from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_q8_row_bytes, kv_segments
 from .. import buffers
+from .. import cpu
 from .. import library
 from .. import validate as v
 from ._lib import checked_address, index_range, kernel
@@ -46,6 +48,42 @@ STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
 ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
                      np.dtype(np.float16): "llb_attention_paged_f16__avx2",
                      np.dtype(np.uint8): "llb_attention_paged_q8_0__avx2"}
+# The attention kernels' variants: avx512 runs the scores and P V passes on zmm and needs
+# head_dim % 16 == 0. The variant is chosen per machine (and head_dim), never per m: the
+# reductions differ between variants, so every row of a model takes the same one.
+ATTENTION_ISAS = ("avx2", "avx512")
+WIDE_HEAD_DIM_MULTIPLE = 16
+
+
+def attention_symbol(dtype, isa):
+    return ATTENTION_SYMBOLS[dtype].replace("__avx2", f"__{isa}")
+
+
+@functools.lru_cache(maxsize=None)
+def attention_isas():
+    """The attention variants this CPU runs and the kernel library has, baseline first."""
+    manifest = library.load("avx2").manifest
+    return tuple(isa for isa in ATTENTION_ISAS if not cpu.missing_flags(isa)
+                 and all(attention_symbol(d, isa) in manifest for d in ATTENTION_SYMBOLS))
+
+
+def attention_isa(head_dim, isa=None):
+    """``isa`` if given (checked), else the widest this machine runs for head_dim (capped by
+    LLAMBDA_ISA, as the float GEMM)."""
+    if isa is not None:
+        if isa not in attention_isas():
+            raise ValueError(f"isa: expected one of {', '.join(attention_isas())} (the attention variants "
+                             f"this CPU and kernel library run), got {isa!r}")
+        if isa == "avx512" and head_dim % WIDE_HEAD_DIM_MULTIPLE:
+            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0, "
+                             f"got head_dim {head_dim}")
+        return isa
+    cap = os.environ.get("LLAMBDA_ISA") or ATTENTION_ISAS[-1]
+    if cap not in ATTENTION_ISAS:
+        raise ValueError(f"LLAMBDA_ISA: expected one of {', '.join(ATTENTION_ISAS)}, got {cap!r}")
+    wide = ("avx512" in attention_isas() and ATTENTION_ISAS.index(cap) >= 1
+            and head_dim % WIDE_HEAD_DIM_MULTIPLE == 0)
+    return "avx512" if wide else "avx2"
 ARENA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "q8_0 (uint8)"}
 HEAD_DIM_MULTIPLE = {np.dtype(np.float16): 8, np.dtype(np.uint8): KV_Q8_BLOCK}
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
@@ -68,7 +106,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 def _check_tile():
     """Once: the kernels in the library were built for the scratch layout this binding assumes."""
     manifest = library.load("avx2").manifest
-    for symbol in ATTENTION_SYMBOLS.values():
+    for symbol in [attention_symbol(d, isa) for d in ATTENTION_SYMBOLS for isa in ATTENTION_ISAS]:
         entry = manifest.get(symbol)
         if entry is not None and entry["tile"] != TILE:
             raise library.KernelLibraryError(f"{symbol} was built with tile {entry['tile']} but the binding "
@@ -170,7 +208,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
 # ---------------------------------------------------------------- attention_paged
 
 def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                    heads=None, window=0):
+                    heads=None, window=0, *, isa=None):
     """out[i, h] = softmax_j(scale * q[i, h] . k_j) @ v_j over the keys row i sees in its
     sequence: j <= p = positions[i], and p - j < window when window > 0;
     kv = h // (n_head // n_kv). q, out f32 [m, n_head, head_dim]; arenas as in
@@ -178,7 +216,7 @@ def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
     least max_blocks * KV_BLOCK (or the window); heads=(h0, h1) computes only those query heads
     (out's others untouched). Index contents are the caller's to keep in range."""
     symbol, args = attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                                        heads, window)
+                                        heads, window, isa=isa)
     kernel(symbol)(*args)
 
 
@@ -196,7 +234,7 @@ def most_keys(tables, window):
 
 
 def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                         heads=None, window=0, rows=None, partials=None, segments=None):
+                         heads=None, window=0, rows=None, partials=None, segments=None, *, isa=None):
     """``rows=(r0, r1)``: only those rows. ``partials`` (from ``attention_partials``) and
     ``segments=(seg0, step)``: a split call, which writes the partial records of the
     segments s = seg0 (mod step) of its rows and heads to ``partials`` (out untouched);
@@ -260,7 +298,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
             raise ValueError(f"segments: expected (seg0, step) with 0 <= seg0 < step, got {segments!r}")
         packed_segments = seg0 | step << 32
         dest_at = partials_at + partials.strides[0] * r0
-    return ATTENTION_SYMBOLS[dtype], [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
+    return attention_symbol(dtype, attention_isa(head_dim, isa)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
                                       positions_at + I32.itemsize * r0, row_seq_at + I32.itemsize * r0,
                                       tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim,
                                       n_kv | group << 32, h0 | h1 << 32, packed_segments,

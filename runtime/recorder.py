@@ -84,6 +84,7 @@ class OpInfo:
     window: int = 0        # attention: its sliding window (0: unlimited), for costing it at another pos0
     symbol: str = ""       # the kernel it calls (ISA and tile in the name); threads calling others: " + "-joined
     tag: str = ""          # what the model recorded it as, when it said (see PlanRecorder.tagged)
+    kv_row_bytes: int = 0  # attention: bytes of one KV head's K (or V) row in its arena's type
 
 
 def _interval(a):
@@ -267,7 +268,7 @@ class PlanRecorder:
         row_bytes = k_arena.strides[2] if isinstance(k_arena, np.ndarray) and k_arena.ndim == 4 else 4 * hd
         # each row reads its keys' K and V rows of its KV heads, in the arena's type
         info = OpInfo("attention", 4.0 * (h1 - h0) * hd * keys * m,
-                      2.0 * kv_heads * keys * row_bytes * m, window=window)
+                      2.0 * kv_heads * keys * row_bytes * m, window=window, kv_row_bytes=int(row_bytes))
         self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [] if split else [out], info)
         if split:
             combine = self._serial(n_paged.attention_combine_call(partials, positions, tables, out,

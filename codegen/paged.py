@@ -353,7 +353,7 @@ def key_dots(heads, keys, frame, k_rows):
 
 
 CACHE_LINE = 64
-PREFETCH_BLOCKS = 1                 # K rows asked for this many blocks ahead
+PREFETCH_BLOCKS = 2                 # K rows asked for this many blocks ahead
 
 
 def prefetch_lines(address, bytes_slot):

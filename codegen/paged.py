@@ -7,25 +7,42 @@ from memory when the kernel runs, and key j of that sequence lives in block
 ``[n_blocks, n_kv, KV_BLOCK, head_dim]``: within a block, one KV head's KV_BLOCK rows
 are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
 
-``attention_paged`` runs codegen/attention.py's three passes walking the block table
-(scores in heads x keys register tiles, softmax on the score rows, P V in key blocks of
-KEY_BLOCK keys counted from the row's first key), with its reductions in their fixed
-order. A key's score, the softmax sums and every output sum are therefore accumulated in
-one fixed order that depends only on how many keys the row sees, never on where its
-blocks are, on the other rows of the step or on m: a row gives the same bits as a decode
-row or inside a prefill chunk. The window is one code path: the row sees the last
+``attention_paged`` cuts each row's keys into segments of KV_SEGMENT keys aligned to the
+absolute key index (codegen/contract.py) and runs three passes per segment and tile of up
+to MAX_HEADS heads sharing a KV head: scores in heads x keys register tiles into a score
+row of KV_SEGMENT floats (L1-resident), the segment's max, e_j = exp(s_j - max) and their
+sum, then sum_j e_j v_j in key blocks of KEY_BLOCK keys counted from the segment's first
+key. Each (row, head, segment) leaves a partial record (unnormalised output, max, sum);
+the combine (``emit_combine``) merges a row's records in segment order:
+out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(max_s - max). Every sum runs in an order
+fixed by the row's keys alone, never by where its blocks are, the other rows of the step,
+m, the threads or how the segments were split between calls: a row gives the same bits as
+a decode row, inside a prefill chunk, or split over segments (flash-decoding).
+
+Two ways to call it (``segments`` = seg0 | step << 32): step 0, whole rows, every segment
+of each row, the records in the caller's scratch and combined into ``dest`` = out at
+once; step > 0, the segments s = seg0 (mod step) only, the records written to ``dest`` =
+partials [m, n_segments, n_head, rec] for ``attention_combine`` (runtime/recorder.py
+splits a decode step's keys between threads this way). While a block's scores are
+computed the kernel prefetches that block's V rows and the K rows PREFETCH_BLOCKS blocks
+on: a long cache does not fit the caches near the core and its blocks sit anywhere.
+
+The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
+q8_0 dequantized and f16 converted as they load), each score accumulator folded to a ymm
+before the same reductions; its bits differ from avx2's, so the binding picks the variant
+per machine and head_dim, never per m. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
-Score rows live in the caller's scratch, ``MAX_HEADS`` rows of n_keys rounded up to 8
-floats, laid out afresh for every row (the kernel has no argument left to be told the
-scratch's size: ``paged_attention_scratch(max_keys)`` holds any row that sees up to
-max_keys keys). The block table, positions and row_seq are trusted: the binding checks
+The scratch holds MAX_HEADS score rows of KV_SEGMENT floats, then (whole rows) the partial
+records [segment][MAX_HEADS] of the segments one row spans (``paged_attention_scratch``
+sizes it). The block table, positions and row_seq are trusted: the binding checks
 everything else, the caller (llambda/kv_pool.py) keeps those in range.
 
-A plan record holds 13 integer arguments; the attention kernel needs 15 values, so two
-pairs of 32-bit values travel packed in one size_t each (low | high << 32):
-``kv_heads`` = n_kv | group << 32 and ``heads`` = h0 | h1 << 32.
+A plan record holds 13 integer arguments; the attention kernel needs 18 values, so pairs
+of 32-bit values travel packed in one size_t each (low | high << 32): ``rows`` = m |
+table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32 and
+``segments`` = seg0 | step << 32.
 """
 from types import SimpleNamespace
 

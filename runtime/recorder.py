@@ -6,7 +6,8 @@ Model code runs its forward pass once against a ``PlanRecorder``: every op
 ``runtime.plan.Plan``. Running the plan then costs one native call per thread.
 
 Splits: matrix products by output columns (16 at a time: one 64-byte line of
-f32), attention by heads (each chunk with its own scratch), row-wise ops by
+f32), attention by heads and rows, or for a decode step by heads and key segments
+(then a combine op; each chunk with its own scratch), row-wise ops by
 rows, elementwise ops by elements. A split op is a dynamic op of a few chunks
 per thread (runtime/plan.py): whichever thread is free claims the next chunk,
 so a thread that another process keeps off its core costs the others at most

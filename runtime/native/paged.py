@@ -7,8 +7,14 @@ runtime/ref/paged.py.
     gather_rows(src, rows, out)
     paged_attention_scratch(max_keys)
 
+    attention_combine(partials, positions, tables, out, heads=None, window=0)
+
 Each ``*_call`` twin validates and returns ``(symbol, args)`` for a plan (the recorder
-splits kv_store_paged by KV heads, attention_paged by query heads, gather_rows by rows).
+splits kv_store_paged by KV heads, attention_paged by query heads and rows, or for a
+decode step by query heads and key segments, ``attention_paged_call(..., partials=,
+segments=(seg0, step))``, then ``attention_combine_call``; gather_rows by rows). Every
+split gives the bits of the whole call (codegen/paged.py). ``isa=`` picks the attention
+variant (``attention_isas()``); by default the widest this machine runs for head_dim.
 
 What is checked here: shapes, dtypes, strides, alignment, that outputs overlap no input,
 the head / row ranges and the window. What cannot be: the *contents* of positions,

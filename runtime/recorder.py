@@ -248,9 +248,12 @@ class PlanRecorder:
             step = min(segments, -(-wanted // len(head_ranges)))
             parts = [dict(heads=(h0 + a, h0 + b), segments=(s, step)) for (a, b) in head_ranges for s in range(step)]
         else:
+            # a prompt chunk's later rows see more keys: finer row chunks, the later first, so
+            # the threads claiming them in order end together
+            wanted = CHUNKS_PER_THREAD_LONG * self.n_threads
             row_chunks = min(m, -(-wanted // len(head_ranges))) if self.n_threads > 1 and m >= 8 else 1
             row_ranges = chunk_ranges(m, -(-m // row_chunks), 1) if row_chunks > 1 else [(0, m)]
-            parts = [dict(heads=(h0 + a, h0 + b), rows=r) for r in row_ranges for (a, b) in head_ranges]
+            parts = [dict(heads=(h0 + a, h0 + b), rows=r) for r in reversed(row_ranges) for (a, b) in head_ranges]
         need = n_paged.scratch_floats(max(max_keys, 1), hd)
         for c in range(len(parts)):
             if c == len(self._scratch):

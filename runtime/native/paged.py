@@ -39,8 +39,9 @@ from .. import library
 from .. import validate as v
 from ._lib import checked_address, index_range, kernel
 
-__all__ = ["kv_store_paged", "attention_paged", "attention_combine", "paged_attention_scratch",
-           "attention_partials", "gather_rows"]
+__all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
+# attention_partials / attention_combine (split calls) are module functions, not backend ops:
+# the recorder makes split calls, the reference computes whole rows only.
 
 # Arena dtype -> kernel symbol (the arena's dtype decides the kernel). An f16 arena is
 # stored rounded to nearest even (numpy's astype) and read exactly: its results are the

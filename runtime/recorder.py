@@ -52,6 +52,7 @@ CHUNKS_PER_THREAD_LONG = 8
 LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
 LONG_OP_BYTES = 2e6
 SPLIT_MAX_ROWS = 4        # attention of steps up to this many rows is split over key segments too
+SPLIT_CHUNKS_PER_THREAD = 8   # chunks of (heads, segments) per thread
 
 
 class Split:
@@ -245,8 +246,10 @@ class PlanRecorder:
         split = self.n_threads > 1 and m <= SPLIT_MAX_ROWS and segments > 1
         wanted = CHUNKS_PER_THREAD * self.n_threads
         if split:
-            step = min(segments, -(-wanted // len(head_ranges)))
-            parts = [dict(heads=(h0 + a, h0 + b), segments=(s, step)) for (a, b) in head_ranges for s in range(step)]
+            # residues first: the low ones hold a segment more when step does not divide the
+            # row's segments, and are claimed first, so the threads end together
+            step = min(segments, -(-SPLIT_CHUNKS_PER_THREAD * self.n_threads // len(head_ranges)))
+            parts = [dict(heads=(h0 + a, h0 + b), segments=(s, step)) for s in range(step) for (a, b) in head_ranges]
         else:
             # a prompt chunk's later rows see more keys: finer row chunks, the later first, so
             # the threads claiming them in order end together

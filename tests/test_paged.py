@@ -808,6 +808,7 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     from llambda.runtime.native._lib import kernel
     n_head, n_kv, head_dim, step = draw_long_step(data, arena_type)
     q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
+    exact = exact and arena_type != "q8_0"             # dequantized small integers are not integers
     k_arena, k_seen = stored(step.arena(keys), arena_type, head_dim)
     v_arena, v_seen = stored(step.arena(values), arena_type, head_dim)
     scratch = scratch_for(native, step)

@@ -49,7 +49,7 @@ from types import SimpleNamespace
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, VEXTRACTF64X4, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
-                            PREFETCHT0, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
@@ -374,13 +374,14 @@ PREFETCH_BLOCKS = 2                 # K rows asked for this many blocks ahead
 
 
 def prefetch_lines(address, bytes_slot):
-    """PREFETCHT0 every line of bytes_slot bytes from ``address`` (consumed)."""
+    """PREFETCHT1 (to L2: the L1 holds the segment's working set) every line of bytes_slot bytes
+    from ``address`` (consumed)."""
     lines = gp()
     MOV(lines, bytes_slot)
     ADD(lines, CACHE_LINE - 1)
     SHR(lines, 6)
     with Loop() as loop:
-        PREFETCHT0([address])
+        PREFETCHT1([address])
         ADD(address, CACHE_LINE)
         DEC(lines)
         JNZ(loop.begin)

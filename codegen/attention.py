@@ -10,13 +10,14 @@ Query heads that share a KV head are processed together, up to MAX_HEADS at a
 time: each K and V row is then read once per query and KV head instead of once
 per query head, and at long contexts decode is bound by reading the cache.
 
-Three streaming passes per (query, heads sharing a KV head):
+Three streaming passes per (query, heads sharing a KV head, key segment: codegen/paged.py):
 
  1. scores: dot products vectorised over head_dim with a tile of heads x keys
     accumulating in registers (independent FMA chains hide the FMA latency),
     each accumulator reduced to a score with VHADDPS (``score_dots``,
     ``reduce_to_scores``, ``reduce_to_scalar``: one fixed order of additions);
- 2. softmax in place on the score rows in the caller's scratch (``emit_softmax``);
+ 2. softmax in place on the score rows in the caller's scratch (``emit_softmax``; the
+    paged kernel stops before normalising, its combine divides);
  3. out = P V in key blocks of KEY_BLOCK keys (codegen/paged.py).
 
 head_dim that is not a multiple of 8 ends in one masked chunk (VMASKMOVPS), so

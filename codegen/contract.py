@@ -34,6 +34,26 @@ def kv_q8_row_bytes(head_dim):
     """Bytes of one q8_0 arena row: the quants, then the f32 scales."""
     return head_dim + head_dim // KV_Q8_BLOCK * KV_Q8_SCALE_BYTES
 
+
+# -- attention segments (flash-decoding): a row's keys are cut at multiples of KV_SEGMENT
+#    (absolute key index). Each (row, head, segment) gives a partial record of
+#    kv_partial_floats(head_dim) floats: the unnormalised output sum_j e_j v_j
+#    (head_dim, padded to 8), then the segment's max score, sum of e_j = exp(s_j - max), and
+#    one spare float the combine uses for the segment's weight. The combine merges a row's
+#    segments in segment order: the bits depend only on the row's keys.
+KV_SEGMENT = 256
+KV_SEGMENT_BLOCKS = KV_SEGMENT // KV_BLOCK
+PARTIAL_EXTRA = 8
+
+
+def kv_partial_floats(head_dim):
+    return -(-head_dim // 8) * 8 + PARTIAL_EXTRA
+
+
+def kv_segments(keys):
+    """Segments a table of ``keys`` key slots can hold (absolute segment indices 0..n-1)."""
+    return -(-keys // KV_SEGMENT)
+
 # -- plans (runtime/plan.py writes records, codegen/executor.py walks them)
 RECORD_BYTES = 128
 FN_OFFSET = 0

@@ -7,45 +7,65 @@ from memory when the kernel runs, and key j of that sequence lives in block
 ``[n_blocks, n_kv, KV_BLOCK, head_dim]``: within a block, one KV head's KV_BLOCK rows
 are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
 
-``attention_paged`` runs codegen/attention.py's three passes walking the block table
-(scores in heads x keys register tiles, softmax on the score rows, P V in key blocks of
-KEY_BLOCK keys counted from the row's first key), with its reductions in their fixed
-order. A key's score, the softmax sums and every output sum are therefore accumulated in
-one fixed order that depends only on how many keys the row sees, never on where its
-blocks are, on the other rows of the step or on m: a row gives the same bits as a decode
-row or inside a prefill chunk. The window is one code path: the row sees the last
+``attention_paged`` cuts each row's keys into segments of KV_SEGMENT keys aligned to the
+absolute key index (codegen/contract.py) and runs three passes per segment and tile of up
+to MAX_HEADS heads sharing a KV head: scores in heads x keys register tiles into a score
+row of KV_SEGMENT floats (L1-resident), the segment's max, e_j = exp(s_j - max) and their
+sum, then sum_j e_j v_j in key blocks of KEY_BLOCK keys counted from the segment's first
+key. Each (row, head, segment) leaves a partial record (unnormalised output, max, sum);
+the combine (``emit_combine``) merges a row's records in segment order:
+out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(max_s - max). Every sum runs in an order
+fixed by the row's keys alone, never by where its blocks are, the other rows of the step,
+m, the threads or how the segments were split between calls: a row gives the same bits as
+a decode row, inside a prefill chunk, or split over segments (flash-decoding).
+
+Two ways to call it (``segments`` = seg0 | step << 32): step 0, whole rows, every segment
+of each row, the records in the caller's scratch and combined into ``dest`` = out at
+once; step > 0, the segments s = seg0 (mod step) only, the records written to ``dest`` =
+partials [m, n_segments, n_head, rec] for ``attention_combine`` (runtime/recorder.py
+splits a decode step's keys between threads this way). While a block's scores are
+computed the kernel prefetches that block's V rows and the K rows PREFETCH_BLOCKS blocks
+on: a long cache does not fit the caches near the core and its blocks sit anywhere.
+
+The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
+q8_0 dequantized and f16 converted as they load), each score accumulator folded to a ymm
+before the same reductions; its bits differ from avx2's, so the binding picks the variant
+per machine and head_dim, never per m. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
-Score rows live in the caller's scratch, ``MAX_HEADS`` rows of n_keys rounded up to 8
-floats, laid out afresh for every row (the kernel has no argument left to be told the
-scratch's size: ``paged_attention_scratch(max_keys)`` holds any row that sees up to
-max_keys keys). The block table, positions and row_seq are trusted: the binding checks
+The scratch holds MAX_HEADS score rows of KV_SEGMENT floats, then (whole rows) the partial
+records [segment][MAX_HEADS] of the segments one row spans (``paged_attention_scratch``
+sizes it). The block table, positions and row_seq are trusted: the binding checks
 everything else, the caller (llambda/kv_pool.py) keeps those in range.
 
-A plan record holds 13 integer arguments; the attention kernel needs 15 values, so two
-pairs of 32-bit values travel packed in one size_t each (low | high << 32):
-``kv_heads`` = n_kv | group << 32 and ``heads`` = h0 | h1 << 32.
+A plan record holds 13 integer arguments; the attention kernel needs 18 values, so pairs
+of 32-bit values travel packed in one size_t each (low | high << 32): ``rows`` = m |
+table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32 and
+``segments`` = seg0 | step << 32.
 """
 from types import SimpleNamespace
 
-from peachpy.x86_64 import (YMMRegister, LocalVariable, LOAD, Loop, Block,
+from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, VEXTRACTF64X4, LOAD, Loop, Block,
                             RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
-                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG,
-                            VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
+                            PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
-                            VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS)
+                            VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
 from peachpy import Constant
 
-from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
-                        emit_softmax, gp, reduce_to_scalar, reduce_to_scores, row, score_dots, ymms, zeroed)
+from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
+                        gp, reduce_to_scalar, reduce_to_scores, row, score_dots, ymms, zeroed)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
-from .contract import KV_BLOCK, KV_Q8_BLOCK
+from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA
+from .vmath import exp_ps
 
 FAMILY = "paged"
 LOG2_KV_BLOCK = KV_BLOCK.bit_length() - 1
 assert 1 << LOG2_KV_BLOCK == KV_BLOCK
+LOG2_SEGMENT = KV_SEGMENT.bit_length() - 1
+assert 1 << LOG2_SEGMENT == KV_SEGMENT and KV_SEGMENT % KV_BLOCK == 0
 INDEX = 4                      # bytes of an int32 position, sequence or block index
 # Arena element types and their bytes. An f16 arena is read with VCVTPH2PS (the exact f32
 # of each stored half, then the same FMAs as f32) and written with VCVTPS2PH (round to
@@ -62,11 +82,19 @@ Q8_CHUNKS = KV_Q8_BLOCK // LANES         # chunks of 8 per scale
 PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
 
 ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
-                       ("out", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
+                       ("dest", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
                        ("row_seq", "const int32_t*"), ("tables", "const int32_t*"),
-                       ("m", "size_t"), ("head_dim", "size_t"), ("kv_heads", "size_t"),
-                       ("table_stride", "size_t"), ("heads", "size_t"),
+                       ("rows", "size_t"), ("head_dim", "size_t"), ("kv_heads", "size_t"),
+                       ("heads", "size_t"), ("segments", "size_t"),
                        ("scale", "float"), ("window", "float")]
+# rows = m | table_stride << 32; segments = seg0 | step << 32. step 0: whole rows (every
+# segment, partials in the scratch, combined into dest = out). step > 0: the segments
+# s = seg0 (mod step) of every row, their partial records written to dest = partials
+# [m, n_segments, n_head, kv_partial_floats(head_dim)] for attention_combine.
+
+COMBINE_SIGNATURE = [("partials", "const float*"), ("out", "float*"), ("positions", "const int32_t*"),
+                     ("m", "size_t"), ("head_dim", "size_t"), ("n_head", "size_t"),
+                     ("table_stride", "size_t"), ("heads", "size_t"), ("window", "float")]
 # window travels as a float (no integer slot left): exact below 2^24, the binding checks it.
 
 STORE_SIGNATURE = [("src", "const float*"), ("positions", "const int32_t*"), ("row_seq", "const int32_t*"),
@@ -115,20 +143,37 @@ def run_length(key, keys_left, out):
 
 # ---------------------------------------------------------------- frame
 
-def new_frame(arena):
-    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32)."""
+def new_frame(arena, isa="avx2"):
+    """Stack slots for the loop state; ``kd`` is an arena row's bytes (hd4 for f32). The
+    scores and P V passes run on vectors of ``frame.lanes`` floats: 8 (ymm) for avx2, 16
+    (zmm) for avx512, whose kernels need head_dim % 16 == 0 (the binding checks)."""
     names = ["q_row", "out_row", "rows_left", "positions", "row_seq", "tables", "table_stride4",
              "table_row", "first", "n_keys", "window1", "h", "h1", "kv", "group_end", "group",
              "k", "v", "block_stride", "kv_stride", "row_stride", "hd4", "full_chunks", "tail",
              "stride4", "scores", "q_heads", "k_head", "v_head", "out_heads", "heads_count", "h0",
-             "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd"]
+             "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd",
+             "seg", "seg0", "seg_step", "rec4", "stat", "seg_stride", "pbase", "dest_step", "phead", "hbase",
+             "row_first", "row_last", "whole", "partial_scratch", "rec_heads", "combine_rec", "combine_count",
+             "combine_out", "pass_chunks"]
     frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
     frame.scale = LocalVariable(4)
     frame.arena = arena
     frame.half = arena == "f16"
     frame.q8 = arena == "q8_0"
     frame.head_dim = LocalVariable(8)
+    frame.wide = isa == "avx512"
+    frame.lanes = 16 if frame.wide else LANES
+    frame.vec = ZMMRegister if frame.wide else YMMRegister
+    frame.chunk = frame.lanes * FLOAT
+    frame.q8_chunks = KV_Q8_BLOCK // frame.lanes
     return frame
+
+
+def zeroed_vectors(frame, heads, n):
+    accs = [[frame.vec() for _ in range(n)] for _ in range(heads)]
+    for a in sum(accs, []):
+        VXORPS(a, a, a)
+    return accs
 
 
 # ---------------------------------------------------------------- pass 1: scores
@@ -209,9 +254,88 @@ def key_dots_q8(heads, keys, frame, k_rows):
     return accs
 
 
+def key_dots_wide(heads, keys, frame, k_rows):
+    """key_dots on zmm (16 lanes; head_dim % 16 == 0): the accumulators over head_dim, each
+    folded to a ymm (high half + low half) for codegen/attention.py's reductions. f16 K
+    chunks converted from 16 halves, q8_0 from 16 quants times their block's scale; q from
+    memory for 3 heads (12 accumulators, a chunk and a scale fill the 16 registers)."""
+    hd4, kd, key_addr = key_addressing(frame, keys)
+    accs = zeroed_vectors(frame, heads, keys)
+    qd, kp = gp(), gp()
+    MOV(qd, frame.q_heads)
+    MOV(kp, k_rows)
+    kp4 = None
+    if keys > 4:
+        kp4 = gp()
+        LEA(kp4, [kp + kd * 4])
+    in_registers = heads < 3 or not frame.q8
+    if frame.q8:
+        ks = gp()
+        MOV(ks, k_rows)
+        ADD(ks, frame.head_dim)                      # the row's scales
+        ks4 = None
+        if keys > 4:
+            ks4 = gp()
+            LEA(ks4, [ks + kd * 4])
+        count = gp()
+        MOV(count, frame.head_dim)
+        SHR(count, 5)
+        per_step = frame.q8_chunks
+    else:
+        count = gp()
+        MOV(count, frame.pass_chunks)
+        per_step = 1
+    with Loop() as loop:
+        for c in range(per_step):
+            if in_registers:
+                q = [frame.vec() for _ in range(heads)]
+                for h in range(heads):
+                    VMOVUPS(q[h], row(qd, hd4, h, c * frame.chunk))
+            for key in range(keys):
+                k = frame.vec()
+                if frame.q8:
+                    d = frame.vec()
+                    VBROADCASTSS(d, key_addr(ks, ks4, key))
+                    quants = key_addr(kp, kp4, key)
+                    quants[0] = quants[0] + c * frame.lanes
+                    dequantized_chunk(k, quants, d)
+                elif frame.half:
+                    VCVTPH2PS(k, key_addr(kp, kp4, key))
+                else:
+                    VMOVUPS(k, key_addr(kp, kp4, key))
+                for h in range(heads):
+                    if in_registers:
+                        VFMADD231PS(accs[h][key], q[h], k)
+                    else:
+                        VFMADD231PS(accs[h][key], k, row(qd, hd4, h, c * frame.chunk))
+        ADD(qd, per_step * frame.chunk)
+        step = KV_Q8_BLOCK if frame.q8 else frame.lanes * ARENA_BYTES[frame.arena]
+        ADD(kp, step)
+        if kp4 is not None:
+            ADD(kp4, step)
+        if frame.q8:
+            ADD(ks, 4)
+            if ks4 is not None:
+                ADD(ks4, 4)
+        DEC(count)
+        JNZ(loop.begin)
+    folded = []
+    for accs_h in accs:
+        row_accs = []
+        for a in accs_h:
+            high = YMMRegister()
+            VEXTRACTF64X4(high, a, 1)
+            VADDPS(a.as_ymm, a.as_ymm, high)
+            row_accs.append(a.as_ymm)
+        folded.append(row_accs)
+    return folded
+
+
 def key_dots(heads, keys, frame, k_rows):
     """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
     order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
+    if frame.wide:
+        return key_dots_wide(heads, keys, frame, k_rows)
     if frame.q8:
         return key_dots_q8(heads, keys, frame, k_rows)
     if not frame.half:
@@ -245,6 +369,43 @@ def key_dots(heads, keys, frame, k_rows):
     return accs
 
 
+CACHE_LINE = 64
+PREFETCH_BLOCKS = 2                 # K rows asked for this many blocks ahead
+
+
+def prefetch_lines(address, bytes_slot):
+    """PREFETCHT1 (to L2: the L1 holds the segment's working set) every line of bytes_slot bytes
+    from ``address`` (consumed)."""
+    lines = gp()
+    MOV(lines, bytes_slot)
+    ADD(lines, CACHE_LINE - 1)
+    SHR(lines, 6)
+    with Loop() as loop:
+        PREFETCHT1([address])
+        ADD(address, CACHE_LINE)
+        DEC(lines)
+        JNZ(loop.begin)
+
+
+def prefetch_blocks(frame, key):
+    """Ask for what the kernel reads next while this block's scores are computed: the V rows
+    of the block holding ``key`` (pass 3 reads them soon) and the K rows of the next block of
+    the row, if any. The cache is too big for the caches close to the core, and its blocks
+    sit anywhere, so the hardware prefetchers cannot guess the next block."""
+    block, address = gp(), gp()
+    MOV(block, key)
+    AND(block, -KV_BLOCK)
+    block_row_address(frame, block, frame.v_head, address)
+    prefetch_lines(address, frame.kv_stride)
+    ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
+    later = Block()
+    with later:
+        CMP(block, frame.row_last)
+        JA(later.end)
+        block_row_address(frame, block, frame.k_head, address)
+        prefetch_lines(address, frame.kv_stride)
+
+
 def emit_scores(heads, frame):
     """Score rows [head][key] = scale * q . k for the row's keys, run by run of its blocks."""
     keys = SCORE_KEYS[heads]
@@ -259,6 +420,7 @@ def emit_scores(heads, frame):
         k_rows, run, key, keys_left = gp(), gp(), gp(), gp()
         MOV(key, frame.key)
         MOV(keys_left, frame.keys_left)
+        prefetch_blocks(frame, key)
         block_row_address(frame, key, frame.k_head, k_rows)
         run_length(key, keys_left, run)
         ADD(key, run)
@@ -311,7 +473,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
     """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
     the key block's V rows found run by run through the block table. The first key block
     stores, later blocks add to what out holds."""
-    accs = zeroed(heads, chunks)
+    accs = zeroed_vectors(frame, heads, chunks)
     probs, t = gp(), gp()
     MOV(probs, frame.kb_first)
     SHL(probs, 2)
@@ -354,21 +516,21 @@ def emit_pv_tile(heads, chunks, masked, frame):
         MOV(hd4, frame.kd)
         MOV(stride4, frame.stride4)
         with Loop() as keys:
-            p = ymms(heads)
+            p = [frame.vec() for _ in range(heads)]
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
             for c in range(chunks):
                 if frame.q8:
-                    if c % Q8_CHUNKS == 0:
-                        d = YMMRegister()
-                        VBROADCASTSS(d, [values + scales * 1 + c // Q8_CHUNKS * 4])
-                    vm = YMMRegister()
-                    dequantized_chunk(vm, [values + c * LANES], d)
+                    if c % frame.q8_chunks == 0:
+                        d = frame.vec()
+                        VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                    vm = frame.vec()
+                    dequantized_chunk(vm, [values + c * frame.lanes], d)
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 elif frame.half:
-                    vm = YMMRegister()
-                    VCVTPH2PS(vm, [values + c * CHUNK // 2])
+                    vm = frame.vec()
+                    VCVTPH2PS(vm, [values + c * frame.chunk // 2])
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 elif masked:
@@ -378,7 +540,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 else:
                     for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], [values + c * CHUNK])
+                        VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
             ADD(probs, FLOAT)
             ADD(values, hd4)
             DEC(run)
@@ -387,8 +549,8 @@ def emit_pv_tile(heads, chunks, masked, frame):
         JNE(runs.begin)
 
     out, hd4 = gp(), gp()
-    MOV(hd4, frame.hd4)
-    MOV(out, frame.out_heads)
+    MOV(hd4, frame.rec4)                             # heads' partial records are rec4 bytes apart
+    MOV(out, frame.rec_heads)
     ADD(out, frame.offset)
     accumulate = Block()
     with accumulate:
@@ -401,26 +563,26 @@ def emit_pv_tile(heads, chunks, masked, frame):
                     VMASKMOVPS(old, mask, row(out, hd4, h, c * CHUNK))
                     VADDPS(accs[h][c], accs[h][c], old)
                 else:
-                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * CHUNK))
+                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * frame.chunk))
     for h in range(heads):
         for c in range(chunks):
             if masked:
                 VMASKMOVPS(row(out, hd4, h, c * CHUNK), mask, accs[h][c])
             else:
-                VMOVUPS(row(out, hd4, h, c * CHUNK), accs[h][c])
+                VMOVUPS(row(out, hd4, h, c * frame.chunk), accs[h][c])
 
 
 def advance_offset(frame, chunks):
     t = gp()
     MOV(t, frame.offset)
-    ADD(t, chunks * CHUNK)
+    ADD(t, chunks * frame.chunk)
     MOV(frame.offset, t)
 
 
 def emit_pv(heads, frame):
     tile = (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
     # q8_0 (head_dim % 32 == 0) leaves only whole scale blocks after the full tiles
-    narrower = [c for c in range(1, tile) if not frame.q8 or c % Q8_CHUNKS == 0]
+    narrower = [c for c in range(1, tile) if not frame.q8 or c % frame.q8_chunks == 0]
     t = gp()
     MOV(frame.kb_first, 0)
     with Loop() as key_blocks:
@@ -433,7 +595,7 @@ def emit_pv(heads, frame):
         MOV(frame.kb_keys, block_keys)
 
         MOV(frame.offset, 0)
-        MOV(t, frame.full_chunks)
+        MOV(t, frame.pass_chunks)
         MOV(frame.chunks_left, t)
         full_tiles = Loop()
         CMP(frame.chunks_left, tile)
@@ -457,7 +619,7 @@ def emit_pv(heads, frame):
                     emit_pv_tile(heads, chunks, False, frame)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
-        if frame.arena == "f32":                     # f16, q8_0: no tail
+        if frame.arena == "f32" and not frame.wide:  # f16, q8_0, AVX-512: no tail
             masked = Block()
             with masked:
                 CMP(frame.tail, 0)
@@ -472,7 +634,259 @@ def emit_pv(heads, frame):
         JB(key_blocks.begin)
 
 
+# ---------------------------------------------------------------- pass 2: the segment's softmax
+
+def emit_partial_softmax(heads, frame):
+    """Per head of the tile: the segment's max score, e_j = exp(s_j - max) in place on the
+    score row, and their sum (the same order as codegen/attention.py's softmax), max and sum
+    stored in the head's partial record; nothing is normalised (the combine does it)."""
+    for h in range(heads):
+        score_row = gp()
+        MOV(score_row, frame.scores)
+        if h:
+            t = gp()
+            MOV(t, frame.stride4)
+            IMUL(t, t, h)
+            ADD(score_row, t)
+        peak, total = emit_exp_row(frame, score_row)
+        rec = gp()
+        MOV(rec, frame.rec_heads)
+        if h:
+            t = gp()
+            MOV(t, frame.rec4)
+            IMUL(t, t, h)
+            ADD(rec, t)
+        ADD(rec, frame.stat)
+        VMOVSS([rec], peak.as_xmm)
+        VMOVSS([rec + 4], total.as_xmm)
+
+
+def emit_exp_row(frame, score_row):
+    """codegen/attention.py's softmax up to the sum: (peak, total) ymm, every lane equal."""
+    p, chunks, tail = gp(), gp(), gp()
+
+    def for_each_chunk(body, masked_body):
+        MOV(p, score_row)
+        MOV(chunks, frame.n_keys)
+        SHR(chunks, 3)
+        loop = Loop()
+        JZ(loop.end)
+        with loop:
+            body()
+            ADD(p, CHUNK)
+            DEC(chunks)
+            JNZ(loop.begin)
+        last = Block()
+        with last:
+            MOV(tail, frame.n_keys)
+            AND(tail, LANES - 1)
+            JZ(last.end)
+            mask = YMMRegister()
+            tail_mask(mask, tail)
+            masked_body(mask)
+
+    peak = YMMRegister()
+    VMOVAPS(peak, NEG_INF)
+
+    def max_masked(mask):
+        x, neg_inf = YMMRegister(), YMMRegister()
+        VMASKMOVPS(x, mask, [p])
+        VMOVAPS(neg_inf, NEG_INF)
+        VBLENDVPS(x, neg_inf, x, mask)
+        VMAXPS(peak, peak, x)
+    for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked)
+    fold_lanes(VMAXPS, peak)
+
+    total = YMMRegister()
+    VXORPS(total, total, total)
+
+    def exp_chunk(mask=None):
+        x, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
+        if mask is None:
+            VMOVUPS(x, [p])
+        else:
+            VMASKMOVPS(x, mask, [p])
+        VSUBPS(x, x, peak)
+        exp_ps(x, x, t1, t2)
+        if mask is None:
+            VMOVUPS([p], x)
+        else:
+            VANDPS(x, x, mask)          # lanes past n_keys loaded as 0: exp(0 - max) must not count
+            VMASKMOVPS([p], mask, x)
+        VADDPS(total, total, x)
+    for_each_chunk(exp_chunk, exp_chunk)
+    fold_lanes(VADDPS, total)
+    return peak, total
+
+
+# ---------------------------------------------------------------- the combine
+
+def emit_combine(frame):
+    """out[0 .. head_dim) of one head = sum_s w_s o_s / sum_s w_s l_s over the head's
+    combine_count partial records from combine_rec (seg_stride bytes apart, in segment
+    order), w_s = exp(max_s - max over s). Each w_s is kept in its record's spare float.
+    The sums run in segment order: the same bits whoever wrote the records."""
+    rec, n, stride, stat = gp(), gp(), gp(), gp()
+    MOV(stride, frame.seg_stride)
+    MOV(stat, frame.stat)
+
+    def over_segments(body):
+        MOV(rec, frame.combine_rec)
+        MOV(n, frame.combine_count)
+        with Loop() as loop:
+            body()
+            ADD(rec, stride)
+            DEC(n)
+            JNZ(loop.begin)
+
+    peak = YMMRegister()
+    VMOVAPS(peak, NEG_INF)
+
+    def max_body():
+        x = YMMRegister()
+        VBROADCASTSS(x, [rec + stat * 1])
+        VMAXPS(peak, peak, x)
+    over_segments(max_body)
+    total = YMMRegister()
+    VXORPS(total, total, total)
+
+    def weight_body():
+        w, t1, t2, l = YMMRegister(), YMMRegister(), YMMRegister(), YMMRegister()
+        VBROADCASTSS(w, [rec + stat * 1])
+        VSUBPS(w, w, peak)
+        exp_ps(w, w, t1, t2)
+        VMOVSS([rec + stat * 1 + 8], w.as_xmm)
+        VBROADCASTSS(l, [rec + stat * 1 + 4])
+        VFMADD231PS(total, w, l)
+    over_segments(weight_body)
+    inverse = YMMRegister()
+    VMOVAPS(inverse, Constant.float32x8(1.0))
+    VDIVPS(inverse, inverse, total)
+    ADD(stat, 8)                                     # the weights
+
+    column, out, chunks = gp(), gp(), gp()
+    XOR(column.as_dword, column.as_dword)
+    MOV(out, frame.combine_out)
+
+    def column_sum():
+        acc = YMMRegister()
+        VXORPS(acc, acc, acc)
+
+        def body():
+            w = YMMRegister()
+            VBROADCASTSS(w, [rec + stat * 1])
+            ADD(rec, column)
+            VFMADD231PS(acc, w, [rec])
+            SUB(rec, column)
+        over_segments(body)
+        VMULPS(acc, acc, inverse)
+        return acc
+
+    MOV(chunks, frame.full_chunks)
+    full = Loop()
+    TEST(chunks, chunks)
+    JZ(full.end)
+    with full:
+        acc = column_sum()
+        VMOVUPS([out + column * 1], acc)
+        ADD(column, CHUNK)
+        DEC(chunks)
+        JNZ(full.begin)
+    if frame.arena == "f32":
+        masked = Block()
+        with masked:
+            tail = gp()
+            MOV(tail, frame.tail)
+            TEST(tail, tail)
+            JZ(masked.end)
+            acc = column_sum()
+            mask = YMMRegister()
+            MOV(tail, frame.tail)
+            tail_mask(mask, tail)
+            VMASKMOVPS([out + column * 1], mask, acc)
+
+
 # ---------------------------------------------------------------- the attention driver
+
+def emit_segments(heads, frame):
+    """The segments s = seg0 (mod seg_step) of this row's keys [row_first, row_last]: each
+    one's scores, softmax and P V into the tile's partial records at hbase + s * seg_stride."""
+    s, t = gp(), gp()
+    MOV(s, frame.seg0)
+    skip = Loop()
+    with skip:                                       # segments wholly before the row's first key
+        LEA(t, [s + 1])
+        SHL(t, LOG2_SEGMENT)
+        CMP(t, frame.row_first)
+        JA(skip.end)
+        ADD(s, frame.seg_step)
+        JMP(skip.begin)
+    MOV(frame.seg, s)
+    segments = Loop()
+    with segments:
+        s, first, last, bound = gp(), gp(), gp(), gp()
+        MOV(s, frame.seg)
+        MOV(first, s)
+        SHL(first, LOG2_SEGMENT)
+        MOV(bound, frame.row_last)
+        CMP(first, bound)
+        JA(segments.end)
+        LEA(last, [first + KV_SEGMENT - 1])
+        CMP(last, bound)
+        CMOVA(last, bound)
+        MOV(bound, frame.row_first)
+        CMP(first, bound)
+        CMOVB(first, bound)
+        MOV(frame.first, first)
+        SUB(last, first)
+        ADD(last, 1)
+        MOV(frame.n_keys, last)
+        rec = gp()
+        MOV(rec, s)
+        IMUL(rec, frame.seg_stride)
+        ADD(rec, frame.hbase)
+        MOV(frame.rec_heads, rec)
+        emit_scores(heads, frame)
+        emit_partial_softmax(heads, frame)
+        emit_pv(heads, frame)
+        s = gp()
+        MOV(s, frame.seg)
+        ADD(s, frame.seg_step)
+        MOV(frame.seg, s)
+        JMP(segments.begin)
+
+
+def emit_row_combine(heads, frame):
+    """Whole rows: combine the tile's heads' segments into out."""
+    whole = Block()
+    with whole:
+        CMP(frame.whole, 0)
+        JE(whole.end)
+        for h in range(heads):
+            lo, hi, rec, t = gp(), gp(), gp(), gp()
+            MOV(lo, frame.row_first)
+            SHR(lo, LOG2_SEGMENT)
+            MOV(hi, frame.row_last)
+            SHR(hi, LOG2_SEGMENT)
+            SUB(hi, lo)
+            ADD(hi, 1)
+            MOV(frame.combine_count, hi)
+            MOV(rec, lo)
+            IMUL(rec, frame.seg_stride)
+            ADD(rec, frame.hbase)
+            if h:
+                MOV(t, frame.rec4)
+                IMUL(t, t, h)
+                ADD(rec, t)
+            MOV(frame.combine_rec, rec)
+            MOV(t, frame.out_heads)
+            if h:
+                ADD(t, frame.hd4)
+                if h == 2:
+                    ADD(t, frame.hd4)
+            MOV(frame.combine_out, t)
+            emit_combine(frame)
+
 
 def emit_heads(frame):
     """The next min(MAX_HEADS, heads left, heads left in the KV group) heads of this row."""
@@ -495,14 +909,13 @@ def emit_heads(frame):
                 if heads < MAX_HEADS:
                     CMP(count, heads)
                     JNE(variant.end)
-                emit_scores(heads, frame)
-                emit_softmax(heads, frame)
-                emit_pv(heads, frame)
+                emit_segments(heads, frame)
+                emit_row_combine(heads, frame)
                 JMP(done.end)
 
 
 def emit_head_pointers(frame):
-    """q, out of heads h.. of this row; K, V of their KV head in block 0."""
+    """q, out of heads h.. of this row; K, V of their KV head in block 0; their partials."""
     head_offset, kv_offset, p = gp(), gp(), gp()
     MOV(head_offset, frame.h)
     IMUL(head_offset, frame.hd4)
@@ -520,10 +933,15 @@ def emit_head_pointers(frame):
     MOV(p, frame.v)
     ADD(p, kv_offset)
     MOV(frame.v_head, p)
+    MOV(p, frame.h)
+    IMUL(p, frame.phead)
+    ADD(p, frame.pbase)
+    MOV(frame.hbase, p)
 
 
 def emit_row_keys(frame):
-    """This row's keys, block table and score-row stride, from positions / row_seq in memory."""
+    """This row's keys [row_first, row_last] and block table, from positions / row_seq in
+    memory, and where its partial records go."""
     position, seq, n1, t = gp(), gp(), gp(), gp()
     MOV(t, frame.positions)
     MOV(position.as_dword, [t])                      # zero-extends: positions are >= 0
@@ -532,17 +950,24 @@ def emit_row_keys(frame):
     IMUL(seq, frame.table_stride4)
     ADD(seq, frame.tables)
     MOV(frame.table_row, seq)
+    MOV(frame.row_last, position)
     MOV(n1, frame.window1)                           # n_keys - 1 = min(p, window - 1)
     CMP(n1, position)
     CMOVA(n1, position)
     SUB(position, n1)
-    MOV(frame.first, position)
-    LEA(t, [n1 + 1])
-    MOV(frame.n_keys, t)
-    LEA(t, [n1 + LANES])                             # score rows: n_keys rounded up to 8 floats
-    AND(t, -LANES)
-    SHL(t, 2)
-    MOV(frame.stride4, t)
+    MOV(frame.row_first, position)
+    # partials: whole rows in the scratch, counted from the row's first segment; else dest's row
+    pbase = gp()
+    MOV(pbase, frame.out_row)
+    split = Block()
+    with split:
+        CMP(frame.whole, 0)
+        JE(split.end)
+        SHR(position, LOG2_SEGMENT)
+        IMUL(position, frame.seg_stride)
+        MOV(pbase, frame.partial_scratch)
+        SUB(pbase, position)
+    MOV(frame.pbase, pbase)
 
 
 def emit_row(frame):
@@ -577,6 +1002,17 @@ def low_high(packed, low, high):
     SHR(high, 32)
 
 
+def record_layout(frame, head_dim):
+    """rec4: a partial record's bytes; stat: the offset of its max, sum, weight."""
+    t = gp()
+    LEA(t, [head_dim + LANES - 1])
+    AND(t, -LANES)
+    SHL(t, 2)
+    MOV(frame.stat, t)
+    ADD(t, PARTIAL_EXTRA * FLOAT)
+    MOV(frame.rec4, t)
+
+
 def emit_setup(frame, args):
     by_name = {a.name: a for a in args}
 
@@ -586,9 +1022,13 @@ def emit_setup(frame, args):
         return reg
 
     for name, slot in (("q", frame.q_row), ("k_arena", frame.k), ("v_arena", frame.v),
-                       ("out", frame.out_row), ("scratch", frame.scores), ("positions", frame.positions),
-                       ("row_seq", frame.row_seq), ("tables", frame.tables), ("m", frame.rows_left)):
+                       ("dest", frame.out_row), ("scratch", frame.scores), ("positions", frame.positions),
+                       ("row_seq", frame.row_seq), ("tables", frame.tables)):
         MOV(slot, load(name))
+    packed = load("rows")
+    m, table_stride = gp(), gp()
+    low_high(packed, m, table_stride)
+    MOV(frame.rows_left, m)
     scale = YMMRegister()
     LOAD.ARGUMENT(scale.as_xmm, by_name["scale"])
     VMOVSS(frame.scale, scale.as_xmm)
@@ -630,9 +1070,13 @@ def emit_setup(frame, args):
     SHR(t, 3)
     MOV(frame.full_chunks, t)
     MOV(t, head_dim)
+    SHR(t, frame.lanes.bit_length() - 1)
+    MOV(frame.pass_chunks, t)
+    MOV(t, head_dim)
     AND(t, LANES - 1)
     MOV(frame.tail, t)
     MOV(frame.head_dim, head_dim)
+    record_layout(frame, head_dim)
     if frame.q8:
         MOV(t, head_dim)                             # head_dim quants + head_dim / 8 scale bytes
         SHR(t, 3)
@@ -644,20 +1088,59 @@ def emit_setup(frame, args):
     MOV(frame.kv_stride, t)                          # one KV head of a block
     IMUL(t, n_kv)
     MOV(frame.block_stride, t)
-    MOV(t, group)                                    # q, out rows: n_head = n_kv * group heads
-    IMUL(t, n_kv)
+    n_head = gp()
+    MOV(n_head, group)                               # q, out rows: n_head = n_kv * group heads
+    IMUL(n_head, n_kv)
+    MOV(t, n_head)
     IMUL(t, hd4)
     MOV(frame.row_stride, t)
-    t = load("table_stride")
+    MOV(frame.stride4, KV_SEGMENT * FLOAT)           # score rows: one segment each
+    p = gp()
+    MOV(p, frame.scores)
+    ADD(p, MAX_HEADS * KV_SEGMENT * FLOAT)
+    MOV(frame.partial_scratch, p)
+    MOV(t, table_stride)
     SHL(t, 2)
     MOV(frame.table_stride4, t)
+
+    packed = load("segments")
+    seg0, step = gp(), gp()
+    low_high(packed, seg0, step)
+    whole, split = Block(), Block()
+    # whole rows: every segment, records [segment][MAX_HEADS] in the scratch, combined into out
+    rec4 = gp()
+    MOV(rec4, frame.rec4)
+    with whole:
+        TEST(step, step)
+        JNZ(whole.end)
+        MOV(frame.whole, 1)
+        MOV(frame.seg0, 0)
+        MOV(frame.seg_step, 1)
+        MOV(frame.phead, 0)
+        MOV(t, rec4)
+        IMUL(t, t, MAX_HEADS)
+        MOV(frame.seg_stride, t)
+        MOV(t, frame.row_stride)
+        MOV(frame.dest_step, t)
+        JMP(split.end)
+    with split:                                      # records [row][segment][n_head] in dest
+        MOV(frame.whole, 0)
+        MOV(frame.seg0, seg0)
+        MOV(frame.seg_step, step)
+        MOV(frame.phead, rec4)
+        IMUL(rec4, n_head)
+        MOV(frame.seg_stride, rec4)
+        ADD(table_stride, KV_SEGMENT // KV_BLOCK - 1)  # segments of a table
+        SHR(table_stride, LOG2_SEGMENT - LOG2_KV_BLOCK)
+        IMUL(rec4, table_stride)
+        MOV(frame.dest_step, rec4)
 
 
 def emit_attention_paged(isa, arena):
     signature = typed(ATTENTION_SIGNATURE, arena, ("k_arena", "v_arena"))
     fn, args = function(symbol("attention_paged", arena, "", isa), signature, isa)
     with fn:
-        frame = new_frame(arena)
+        frame = new_frame(arena, isa)
         emit_setup(frame, args)
         with Loop() as rows:
             emit_row_keys(frame)
@@ -665,13 +1148,112 @@ def emit_attention_paged(isa, arena):
             step = gp()
             MOV(step, frame.row_stride)
             ADD(frame.q_row, step)
+            MOV(step, frame.dest_step)
             ADD(frame.out_row, step)
             ADD(frame.positions, INDEX)
             ADD(frame.row_seq, INDEX)
             SUB(frame.rows_left, 1)
             JNZ(rows.begin)
         RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}", args=signature)
+    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}s{KV_SEGMENT}", args=signature)
+
+
+def emit_attention_combine(isa):
+    """out[i, h] for rows i < m and heads h0 <= h < h1 from the partial records
+    [m, n_segments, n_head, rec] that attention_paged's split calls wrote (segments of the
+    table_stride blocks), each head as the whole-row kernel combines it."""
+    fn, args = function(symbol("attention_combine", "f32", "", isa), COMBINE_SIGNATURE, isa)
+    with fn:
+        frame = new_frame("f32")
+        by_name = {a.name: a for a in args}
+
+        def load(name):
+            reg = gp()
+            LOAD.ARGUMENT(reg, by_name[name])
+            return reg
+        for name, slot in (("partials", frame.pbase), ("out", frame.out_row), ("positions", frame.positions),
+                           ("m", frame.rows_left)):
+            MOV(slot, load(name))
+        window_f, window = YMMRegister(), gp()
+        LOAD.ARGUMENT(window_f.as_xmm, by_name["window"])
+        VCVTTSS2SI(window, window_f.as_xmm)
+        SUB(window, 1)
+        MOV(frame.window1, window)
+        head_dim, hd4, t = load("head_dim"), gp(), gp()
+        LEA(hd4, [head_dim * FLOAT])
+        MOV(frame.hd4, hd4)
+        MOV(t, head_dim)
+        SHR(t, 3)
+        MOV(frame.full_chunks, t)
+        MOV(t, head_dim)
+        AND(t, LANES - 1)
+        MOV(frame.tail, t)
+        record_layout(frame, head_dim)
+        n_head = load("n_head")
+        MOV(t, n_head)
+        IMUL(t, hd4)
+        MOV(frame.row_stride, t)
+        rec4 = gp()
+        MOV(rec4, frame.rec4)
+        IMUL(rec4, n_head)
+        MOV(frame.seg_stride, rec4)
+        table_stride = load("table_stride")
+        ADD(table_stride, KV_SEGMENT // KV_BLOCK - 1)
+        SHR(table_stride, LOG2_SEGMENT - LOG2_KV_BLOCK)
+        IMUL(rec4, table_stride)
+        MOV(frame.dest_step, rec4)
+        packed = load("heads")
+        h0, h1 = gp(), gp()
+        low_high(packed, h0, h1)
+        MOV(frame.h0, h0)
+        MOV(frame.h1, h1)
+        with Loop() as rows:
+            position, n1, lo, hi = gp(), gp(), gp(), gp()
+            MOV(t, frame.positions)
+            MOV(position.as_dword, [t])
+            MOV(n1, frame.window1)
+            CMP(n1, position)
+            CMOVA(n1, position)
+            MOV(hi, position)
+            SUB(position, n1)
+            MOV(lo, position)
+            SHR(lo, LOG2_SEGMENT)
+            SHR(hi, LOG2_SEGMENT)
+            SUB(hi, lo)
+            ADD(hi, 1)
+            MOV(frame.combine_count, hi)
+            IMUL(lo, frame.seg_stride)
+            ADD(lo, frame.pbase)
+            MOV(frame.row_first, lo)                 # the row's first record of head 0
+            MOV(t, frame.h0)
+            MOV(frame.h, t)
+            with Loop() as heads:
+                h, p = gp(), gp()
+                MOV(h, frame.h)
+                MOV(p, h)
+                IMUL(p, frame.rec4)
+                ADD(p, frame.row_first)
+                MOV(frame.combine_rec, p)
+                MOV(p, h)
+                IMUL(p, frame.hd4)
+                ADD(p, frame.out_row)
+                MOV(frame.combine_out, p)
+                emit_combine(frame)
+                h = gp()
+                MOV(h, frame.h)
+                ADD(h, 1)
+                MOV(frame.h, h)
+                CMP(h, frame.h1)
+                JB(heads.begin)
+            MOV(t, frame.dest_step)
+            ADD(frame.pbase, t)
+            MOV(t, frame.row_stride)
+            ADD(frame.out_row, t)
+            ADD(frame.positions, INDEX)
+            SUB(frame.rows_left, 1)
+            JNZ(rows.begin)
+        RETURN()
+    return Kernel(fn, FAMILY, isa, tile="", args=COMBINE_SIGNATURE)
 
 
 def typed(signature, arena, names):
@@ -851,6 +1433,12 @@ def emit_gather_rows(isa):
     return Kernel(fn, FAMILY, isa, tile="", args=GATHER_SIGNATURE)
 
 
+ISAS = ("avx2", "avx512")
+
+
 def emit(isa):
+    if isa == "avx512":                              # attention only: the rest is the AVX2 kernels'
+        return [emit_attention_paged(isa, arena) for arena in ARENA_BYTES]
     return ([emit_kv_store_paged(isa, arena) for arena in ARENA_BYTES]
-            + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_gather_rows(isa)])
+            + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_attention_combine(isa),
+                                                                              emit_gather_rows(isa)])

@@ -100,7 +100,7 @@ class TransformerModel:
         if kv_blocks is None:
             kv_blocks = (max_seqs + 1) * KVPool.blocks_for(n_ctx) + 1
         self.kv = KVPool(c, kv_blocks, max_seqs + 1, n_ctx, kv_type)
-        self.att_scratch = backend.paged_attention_scratch(self.kv.max_blocks * KV_BLOCK)
+        self.att_scratch = backend.paged_attention_scratch(self.kv.max_blocks * KV_BLOCK, c.head_dim)
         # RoPE tables per layer: one pair per distinct (base, scale), e.g. Gemma's local and global
         tables = {}
         factors = _rope_factors(weights, c, n_ctx)

@@ -323,13 +323,14 @@ def _work(op, run, config):
         return op.flops, op.bytes
     c, m = config, run.m
     window = op.window
+    kv_bytes = 2.0 * c.n_kv_head * (op.kv_row_bytes or 4 * c.head_dim)   # a position's K and V rows, as stored
     if window:                                # a sliding window: each query sees at most `window` keys
         keys = sum(min(run.pos0 + i + 1, window) for i in range(m))
         flops = 4.0 * c.n_head * c.head_dim * keys
-        nbytes = 8.0 * c.n_kv_head * c.head_dim * min(run.pos0 + m, window + m - 1)
+        nbytes = kv_bytes * min(run.pos0 + m, window + m - 1)
         return flops, nbytes
     flops = 4.0 * m * c.n_head * c.head_dim * (run.pos0 + (m + 1) / 2)
-    nbytes = 8.0 * c.n_kv_head * c.head_dim * (run.pos0 + m)      # the K and V rows it reads
+    nbytes = kv_bytes * (run.pos0 + m)        # the K and V rows it reads
     return flops, nbytes
 
 

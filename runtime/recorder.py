@@ -6,7 +6,8 @@ Model code runs its forward pass once against a ``PlanRecorder``: every op
 ``runtime.plan.Plan``. Running the plan then costs one native call per thread.
 
 Splits: matrix products by output columns (16 at a time: one 64-byte line of
-f32), attention by heads (each chunk with its own scratch), row-wise ops by
+f32), attention by heads and rows, or for a decode step by heads and key segments
+(then a combine op; each chunk with its own scratch), row-wise ops by
 rows, elementwise ops by elements. A split op is a dynamic op of a few chunks
 per thread (runtime/plan.py): whichever thread is free claims the next chunk,
 so a thread that another process keeps off its core costs the others at most
@@ -39,6 +40,7 @@ from .native import paged as n_paged
 from .native import quant as n_quant
 from .native._lib import index_range
 from .plan import Plan, chunk_ranges
+from ..codegen.contract import kv_partial_floats, kv_segments
 
 LINE = 16                 # f32 per 64-byte cache line: the unit of every split
 MIN_SPLIT_ELEMENTS = 4096  # elementwise ops smaller than this are one chunk
@@ -49,6 +51,8 @@ CHUNKS_PER_THREAD = 4
 CHUNKS_PER_THREAD_LONG = 8
 LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
 LONG_OP_BYTES = 2e6
+SPLIT_MAX_ROWS = 4        # attention of steps up to this many rows is split over key segments too
+SPLIT_CHUNKS_PER_THREAD = 8   # chunks of (heads, segments) per thread
 
 
 class Split:
@@ -82,6 +86,7 @@ class OpInfo:
     window: int = 0        # attention: its sliding window (0: unlimited), for costing it at another pos0
     symbol: str = ""       # the kernel it calls (ISA and tile in the name); threads calling others: " + "-joined
     tag: str = ""          # what the model recorded it as, when it said (see PlanRecorder.tagged)
+    kv_row_bytes: int = 0  # attention: bytes of one KV head's K (or V) row in its arena's type
 
 
 def _interval(a):
@@ -100,6 +105,8 @@ class PlanRecorder:
         self._pending_reads, self._pending_writes = [], []
         self._n_ctx, self._backend = n_ctx, backend
         self._scratch = []                 # attention scratch per chunk index, made when first needed
+        self._keep = []                    # every scratch a recorded call points at
+        self._partial_buffers = {}         # split attention's partial records, by shape
         self._tag = ""
 
     @contextmanager
@@ -220,30 +227,71 @@ class PlanRecorder:
 
     def attention_paged(self, q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                         heads=None, window=0):
-        """``scratch`` is ignored (each chunk of heads has its own, sized for the tables and
-        window); chunks are whole groups of query heads sharing a KV head, so each K and V
-        row is read once per group. The cost is estimated at full tables."""
+        """``scratch`` is ignored (each chunk has its own, sized for the tables and window).
+        Chunks keep whole groups of query heads sharing a KV head, so each K and V row is read
+        once per group. A step of few rows (decode) is split over keys too: chunks of
+        (heads, segments s = seg0 mod step) write partial records to the recorder's buffer,
+        and a combine op merges each row's segments in segment order; more rows are chunked
+        by (rows, heads) and each call combines its own. Both give the same bits (the
+        kernel's segments and combine do not depend on the split). The cost is estimated at
+        full tables."""
         m, n_head, hd = q.shape
         h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
         max_keys = n_paged.most_keys(tables, window) if isinstance(tables, np.ndarray) and tables.ndim == 2 else 1
         n_kv = k_arena.shape[1] if isinstance(k_arena, np.ndarray) and k_arena.ndim == 4 else 1
         group = n_head // n_kv if n_kv and n_head % n_kv == 0 else 1
         multiple = group if h0 % group == 0 and (h1 - h0) % group == 0 else 1
-        ranges = self._chunk_ranges(h1 - h0, multiple)
-        need = n_paged.scratch_floats(max(max_keys, 1))
-        for c in range(len(ranges)):
+        head_ranges = self._chunk_ranges(h1 - h0, multiple)
+        segments = kv_segments(max_keys)
+        split = self.n_threads > 1 and m <= SPLIT_MAX_ROWS and segments > 1
+        wanted = CHUNKS_PER_THREAD * self.n_threads
+        if split:
+            # residues first: the low ones hold a segment more when step does not divide the
+            # row's segments, and are claimed first, so the threads end together
+            step = min(segments, -(-SPLIT_CHUNKS_PER_THREAD * self.n_threads // len(head_ranges)))
+            parts = [dict(heads=(h0 + a, h0 + b), segments=(s, step)) for s in range(step) for (a, b) in head_ranges]
+        else:
+            # a prompt chunk's later rows see more keys: finer row chunks, the later first, so
+            # the threads claiming them in order end together
+            wanted = CHUNKS_PER_THREAD_LONG * self.n_threads
+            row_chunks = min(m, -(-wanted // len(head_ranges))) if self.n_threads > 1 and m >= 8 else 1
+            row_ranges = chunk_ranges(m, -(-m // row_chunks), 1) if row_chunks > 1 else [(0, m)]
+            parts = [dict(heads=(h0 + a, h0 + b), rows=r) for r in reversed(row_ranges) for (a, b) in head_ranges]
+        need = n_paged.scratch_floats(max(max_keys, 1), hd)
+        for c in range(len(parts)):
             if c == len(self._scratch):
                 self._scratch.append(None)
             if self._scratch[c] is None or self._scratch[c].size < need:
-                self._scratch[c] = n_paged.paged_attention_scratch(max(max_keys, self._n_ctx, 1))
-        scratches = self._scratch[:len(ranges)]
+                self._scratch[c] = n_paged.paged_attention_scratch(max(max_keys, self._n_ctx, 1), max(hd, 1))
+                self._keep.append(self._scratch[c])
+        scratches = self._scratch[:len(parts)]
+        partials = self._partials(m, n_head, hd, tables) if split else None
+        extra = dict(partials=partials) if split else {}
         calls = Chunked((n_paged.attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
-                                                      scratches[c], heads=(h0 + a, h0 + b), window=window)
-                         for c, (a, b) in enumerate(ranges)), writes=scratches)
+                                                      scratches[c], window=window, **part, **extra)
+                         for c, part in enumerate(parts)), writes=scratches + ([partials] if split else []))
         keys = min(max_keys, self._n_ctx)
+        kv_heads = -(-(h1 - h0) // group)
+        row_bytes = k_arena.strides[2] if isinstance(k_arena, np.ndarray) and k_arena.ndim == 4 else 4 * hd
+        # each row reads its keys' K and V rows of its KV heads, in the arena's type
         info = OpInfo("attention", 4.0 * (h1 - h0) * hd * keys * m,
-                      8.0 * n_kv * keys * hd * m, window=window)
-        self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [out], info)
+                      2.0 * kv_heads * keys * row_bytes * m, window=window, kv_row_bytes=int(row_bytes))
+        self._add(calls, [q, k_arena, v_arena, positions, row_seq, tables], [] if split else [out], info)
+        if split:
+            combine = self._serial(n_paged.attention_combine_call(partials, positions, tables, out,
+                                                                  heads=(h0, h1), window=window))
+            self._add(combine, [partials, positions], [out],
+                      OpInfo("attention_combine", 0,
+                             4.0 * m * kv_segments(keys) * (h1 - h0) * kv_partial_floats(hd), window=window))
+
+    def _partials(self, m, n_head, hd, tables):
+        """The partial records of split attention ops: one buffer per shape, shared by layers
+        (the barriers between a layer's combine and the next layer's attention keep them apart)."""
+        shape = n_paged.partial_shape(m, n_head, hd, tables)
+        buffer = self._partial_buffers.get(shape)
+        if buffer is None:
+            buffer = self._partial_buffers[shape] = n_paged.attention_partials(m, n_head, hd, tables)
+        return buffer
 
     def gather_rows(self, src, rows, out):
         n = rows.shape[0] if isinstance(rows, np.ndarray) and rows.ndim == 1 else 1

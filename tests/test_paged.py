@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import before_a_guard_page, float_arrays, misaligned, nan_buffer
-from llambda.codegen.contract import KV_BLOCK
+from llambda.codegen.contract import KV_BLOCK, KV_SEGMENT
 from llambda.runtime import buffers
 from llambda.runtime.step_indices import check_step_indices
 
@@ -144,6 +144,14 @@ def draw_head_range(data, n):
     return h0, data.draw(st.integers(h0 + 1, n), label="h1")
 
 
+def draw_isa(data, head_dim):
+    """An attention variant this machine runs for head_dim (avx2, the baseline, always)."""
+    from llambda.runtime.native import paged as n_paged
+    isas = [isa for isa in n_paged.attention_isas()
+            if isa == "avx2" or head_dim % n_paged.WIDE_HEAD_DIM_MULTIPLE == 0]
+    return data.draw(st.sampled_from(isas), label="isa")
+
+
 def scratch_for(native, step):
     return native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK)
 
@@ -163,8 +171,10 @@ def test_attention_paged_matches_reference(native, ref, data):
     want, got = np.full(q.shape, np.nan), nan_buffer(q.shape)
     ref.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, want,
                         ref.paged_attention_scratch(1), heads=heads, window=step.window)
-    native.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, got,
-                           scratch_for(native, step), heads=heads, window=step.window)
+    from llambda.runtime.native import paged as n_paged
+    n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, got,
+                            scratch_for(native, step), heads=heads, window=step.window,
+                            isa=draw_isa(data, head_dim))
 
     atol = tolerance(q, keys, values, step, scale, exact, n_head // n_kv)
     error = np.abs(got[:, h0:h1].astype(np.float64) - want[:, h0:h1])
@@ -373,9 +383,9 @@ def test_attention_paged_rejects_bad_arguments(native):
         (dict(tables=buffers.zeros((2, 3), np.uint32)), "tables: expected dtype int32"),
         (dict(scale=float("nan")), "scale: expected a finite number"),
         (dict(scale=1e39), "scale: 1e\\+39 overflows float32"),
-        (dict(scratch=native.paged_attention_scratch(max_blocks * KV_BLOCK - 16)),
-         "scratch: 96 floats, need 144 for rows seeing up to 48 keys"),
-        (dict(scratch=native.paged_attention_scratch(5), window=17), "scratch: 48 floats, need 96"),
+        (dict(scratch=native.paged_attention_scratch(max_blocks * KV_BLOCK, head_dim=8)),
+         "scratch: 864 floats, need 912 for rows seeing up to 48 keys"),
+        (dict(scratch=buffers.zeros(800), window=17), "scratch: 800 floats, need 912 for rows seeing up to 17"),
         (dict(scratch=buffers.zeros((3, 48))), "scratch: expected 1 dimensions"),
         (dict(heads=(2, 2)), "heads: expected 0 <= h0 < h1 <= n_head=4"),
         (dict(heads=3), "heads: expected a pair"),
@@ -743,3 +753,109 @@ def test_q8_arena_rejects_bad_shapes(native):
                                scratch_for(native, step))
     with pytest.raises(ValueError, match="arena: expected shape"):
         native.kv_store_paged(buffers.zeros((1, 1, 64)), step.positions, step.row_seq, step.tables, wrong)
+
+
+# ---------------------------------------------------------------- split over key segments
+
+LONG_LENGTHS = st.one_of(st.sampled_from([KV_SEGMENT - 1, KV_SEGMENT, KV_SEGMENT + 1, 2 * KV_SEGMENT + 1]),
+                         st.integers(1, 4 * KV_SEGMENT + 40))
+
+
+def draw_long_step(data, arena_type):
+    n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
+    head_dim = data.draw(st.sampled_from({"f32": [1, 9, 16, 64, 65], "f16": [8, 16, 64], "q8_0": [32, 64, 96]}[arena_type]),
+                         label="head_dim")
+    n_seq = data.draw(st.integers(1, 2), label="sequences")
+    lengths = [data.draw(LONG_LENGTHS, label="length") for _ in range(n_seq)]
+    m = data.draw(st.integers(1, 5), label="m")
+    rows = []
+    for _ in range(m):
+        s = data.draw(st.integers(0, n_seq - 1), label="row's sequence")
+        p = data.draw(st.one_of(st.just(lengths[s] - 1), st.integers(0, lengths[s] - 1)), label="position")
+        rows.append((s, p))
+    window = 0
+    if data.draw(st.booleans(), label="windowed"):
+        window = data.draw(st.one_of(st.sampled_from([1, KV_SEGMENT - 1, KV_SEGMENT, KV_SEGMENT + 1]),
+                                     st.integers(1, 700)), label="window")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    step = Step(np.random.default_rng(seed), n_kv, head_dim, lengths, rows, window,
+                max_blocks=data.draw(st.sampled_from([None, 80]), label="max_blocks"))
+    return n_head, n_kv, head_dim, step
+
+
+def stored(arena, arena_type, head_dim):
+    """The arena as the kernels read it, and the values they see (rounded as stored)."""
+    from llambda.runtime.ref.paged import dequantize_kv_q8, quantize_kv_q8
+    if arena_type == "f16":
+        arena16 = buffers.aligned_copy(arena.astype(np.float16))
+        return arena16, arena16.astype(np.float32)
+    if arena_type == "q8_0":
+        q8 = buffers.aligned_copy(quantize_kv_q8(np.nan_to_num(arena)))
+        seen = dequantize_kv_q8(q8, head_dim)
+        seen[np.isnan(arena)] = np.nan
+        return q8, seen
+    return arena, arena
+
+
+@settings(max_examples=30)
+@given(st.data(), st.sampled_from(["f32", "f16", "q8_0"]))
+def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_type):
+    """Either attention variant (avx2, avx512 where the CPU has it). Long contexts (several KV_SEGMENT segments, windows across their boundaries): any split
+    of the segments between calls (seg0 mod step), any head split, then the combine, gives the
+    whole call's bits; a row alone gives the same bits; both are within the reference's
+    tolerance (on the values as stored)."""
+    from llambda.runtime.native import paged as n_paged
+    from llambda.runtime.native._lib import kernel
+    n_head, n_kv, head_dim, step = draw_long_step(data, arena_type)
+    q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
+    exact = exact and arena_type != "q8_0"             # dequantized small integers are not integers
+    k_arena, k_seen = stored(step.arena(keys), arena_type, head_dim)
+    v_arena, v_seen = stored(step.arena(values), arena_type, head_dim)
+    scratch = scratch_for(native, step)
+    m = len(q)
+    isa = draw_isa(data, head_dim)
+
+    whole = nan_buffer(q.shape)
+    n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, whole, scratch,
+                            window=step.window, isa=isa)
+    want = np.full(q.shape, np.nan)
+    ref.attention_paged(q, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
+                        None, window=step.window)
+    seen_keys = [k_seen[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
+                 for s, n in enumerate(step.lengths)]
+    seen_values = [v_seen[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
+                   for s, n in enumerate(step.lengths)]
+    atol = tolerance(q, seen_keys, seen_values, step, scale, exact, n_head // n_kv)
+    assert not np.isnan(whole).any()
+    error = np.abs(whole.astype(np.float64) - want)
+    assert (error <= atol).all(), f"max error / tolerance {(error / atol).max()}"
+
+    partials = n_paged.attention_partials(m, n_head, head_dim, step.tables)
+    partials[:] = np.nan
+    seg_step = data.draw(st.integers(1, 6), label="segment step")
+    cut = data.draw(st.integers(1, n_head), label="head cut")
+    for heads in ((0, cut), (cut, n_head)):
+        if heads[0] < heads[1]:
+            for seg0 in range(seg_step):
+                symbol, args = n_paged.attention_paged_call(
+                    q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, nan_buffer(q.shape),
+                    scratch, heads=heads, window=step.window, partials=partials, segments=(seg0, seg_step), isa=isa)
+                kernel(symbol)(*args)
+    split = nan_buffer(q.shape)
+    n_paged.attention_combine(partials, step.positions, step.tables, split, window=step.window)
+    np.testing.assert_array_equal(split, whole)
+    for i in range(m):
+        alone = nan_buffer((1,) + q.shape[1:])
+        n_paged.attention_paged(buffers.aligned_copy(q[i:i + 1]), k_arena, v_arena, i32(step.positions[i:i + 1]),
+                                i32(step.row_seq[i:i + 1]), step.tables, scale, alone, scratch, window=step.window,
+                                isa=isa)
+        np.testing.assert_array_equal(alone[0], whole[i])
+    if m > 1:                                          # a chunk of rows
+        r = data.draw(st.integers(1, m - 1), label="row cut")
+        by_rows = nan_buffer(q.shape)
+        for rows in ((0, r), (r, m)):
+            symbol, args = n_paged.attention_paged_call(q, k_arena, v_arena, step.positions, step.row_seq,
+                                                        step.tables, scale, by_rows, scratch, window=step.window,
+                                                        rows=rows, isa=isa)
+            kernel(symbol)(*args)
+        np.testing.assert_array_equal(by_rows, whole)

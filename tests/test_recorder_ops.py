@@ -152,3 +152,50 @@ def test_calls_for_many_ranges_are_the_single_calls():
         assert many(ranges) == [single(r) for r in ranges]
     with pytest.raises(ValueError, match="span"):
         e.add_calls(x, y, out, [(0, 32), (8, 16)])          # a start off the cache line
+
+
+@pytest.mark.parametrize("arena_type", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_recorded_attention_long_context_split_over_segments(native, pool, arena_type, window):
+    """Long contexts (several KV_SEGMENT segments): a decode-sized step (split over heads and
+    segments, then the combine op) and a prefill chunk (split over rows and heads, each call
+    combining its own rows) give each row the bits of the direct call, row alone or in the chunk,
+    whatever the threads claimed."""
+    from llambda.codegen.contract import KV_SEGMENT
+    from llambda.runtime.ref.paged import quantize_kv_q8
+    rng = np.random.default_rng(4)
+    n_ctx = 3 * KV_SEGMENT + 40
+    n_blocks = -(-n_ctx // KV_BLOCK)
+    n_head, n_kv, hd = 9, 3, 64
+
+    def arena():
+        values = rng.standard_normal((n_blocks, n_kv, KV_BLOCK, hd)).astype(np.float32)
+        if arena_type == "f16":
+            return buffers.aligned_copy(values.astype(np.float16))
+        if arena_type == "q8_0":
+            return buffers.aligned_copy(quantize_kv_q8(values))
+        return buffers.aligned_copy(values)
+    k_arena, v_arena = arena(), arena()
+    tables = buffers.aligned_copy(rng.permutation(n_blocks).astype(np.int32)[None, :])
+    scratch = native.paged_attention_scratch(n_ctx)
+    chunk_positions = np.arange(n_ctx - 20, n_ctx, dtype=np.int32)
+    q_chunk = random(rng, (len(chunk_positions), n_head, hd))
+    want = nan_buffer(q_chunk.shape)
+    native.attention_paged(q_chunk, k_arena, v_arena, buffers.aligned_copy(chunk_positions),
+                           buffers.zeros(len(chunk_positions), np.int32), tables, 0.125, want, scratch, window=window)
+    for rows in ((19, 20), (3, 5), (0, 20)):              # decode steps of 1 and 2 rows, the prefill chunk
+        m = rows[1] - rows[0]
+        q = buffers.aligned_copy(q_chunk[rows[0]:rows[1]])
+        positions = buffers.aligned_copy(chunk_positions[rows[0]:rows[1]])
+        out = nan_buffer(q.shape)
+        recorder = PlanRecorder(2, n_ctx, get_backend("avx2"))
+        recorder.attention_paged(q, k_arena, v_arena, positions, buffers.zeros(m, np.int32), tables, 0.125, out,
+                                 None, window=window)
+        recorder.finish()
+        names = [op.name for op in recorder.ops]
+        assert names == (["attention", "attention_combine"] if m <= 4 else ["attention"])
+        assert split_across(recorder.plan, 0, 2)
+        for _ in range(2):
+            out[:] = np.nan
+            recorder.plan.run(pool)
+            np.testing.assert_array_equal(out, want[rows[0]:rows[1]])

@@ -7,8 +7,14 @@ runtime/ref/paged.py.
     gather_rows(src, rows, out)
     paged_attention_scratch(max_keys)
 
+    attention_combine(partials, positions, tables, out, heads=None, window=0)
+
 Each ``*_call`` twin validates and returns ``(symbol, args)`` for a plan (the recorder
-splits kv_store_paged by KV heads, attention_paged by query heads, gather_rows by rows).
+splits kv_store_paged by KV heads, attention_paged by query heads and rows, or for a
+decode step by query heads and key segments, ``attention_paged_call(..., partials=,
+segments=(seg0, step))``, then ``attention_combine_call``; gather_rows by rows). Every
+split gives the bits of the whole call (codegen/paged.py). ``isa=`` picks the attention
+variant (``attention_isas()``); by default the widest this machine runs for head_dim.
 
 What is checked here: shapes, dtypes, strides, alignment, that outputs overlap no input,
 the head / row ranges and the window. What cannot be: the *contents* of positions,
@@ -22,16 +28,20 @@ any valid row can see (max_blocks * KV_BLOCK, or the window), so valid indices n
 overrun it.
 """
 import functools
+import os
 
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, kv_q8_row_bytes
+from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_q8_row_bytes, kv_segments
 from .. import buffers
+from .. import cpu
 from .. import library
 from .. import validate as v
 from ._lib import checked_address, index_range, kernel
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
+# attention_partials / attention_combine (split calls) are module functions, not backend ops:
+# the recorder makes split calls, the reference computes whole rows only.
 
 # Arena dtype -> kernel symbol (the arena's dtype decides the kernel). An f16 arena is
 # stored rounded to nearest even (numpy's astype) and read exactly: its results are the
@@ -45,15 +55,53 @@ STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
 ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
                      np.dtype(np.float16): "llb_attention_paged_f16__avx2",
                      np.dtype(np.uint8): "llb_attention_paged_q8_0__avx2"}
+# The attention kernels' variants: avx512 runs the scores and P V passes on zmm and needs
+# head_dim % 16 == 0. The variant is chosen per machine (and head_dim), never per m: the
+# reductions differ between variants, so every row of a model takes the same one.
+ATTENTION_ISAS = ("avx2", "avx512")
+WIDE_HEAD_DIM_MULTIPLE = 16
+
+
+def attention_symbol(dtype, isa):
+    return ATTENTION_SYMBOLS[dtype].replace("__avx2", f"__{isa}")
+
+
+@functools.lru_cache(maxsize=None)
+def attention_isas():
+    """The attention variants this CPU runs and the kernel library has, baseline first."""
+    manifest = library.load("avx2").manifest
+    return tuple(isa for isa in ATTENTION_ISAS if not cpu.missing_flags(isa)
+                 and all(attention_symbol(d, isa) in manifest for d in ATTENTION_SYMBOLS))
+
+
+def attention_isa(head_dim, isa=None):
+    """``isa`` if given (checked), else the widest this machine runs for head_dim (capped by
+    LLAMBDA_ISA, as the float GEMM)."""
+    if isa is not None:
+        if isa not in attention_isas():
+            raise ValueError(f"isa: expected one of {', '.join(attention_isas())} (the attention variants "
+                             f"this CPU and kernel library run), got {isa!r}")
+        if isa == "avx512" and head_dim % WIDE_HEAD_DIM_MULTIPLE:
+            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0, "
+                             f"got head_dim {head_dim}")
+        return isa
+    cap = os.environ.get("LLAMBDA_ISA") or ATTENTION_ISAS[-1]
+    if cap not in ATTENTION_ISAS:
+        raise ValueError(f"LLAMBDA_ISA: expected one of {', '.join(ATTENTION_ISAS)}, got {cap!r}")
+    wide = ("avx512" in attention_isas() and ATTENTION_ISAS.index(cap) >= 1
+            and head_dim % WIDE_HEAD_DIM_MULTIPLE == 0)
+    return "avx512" if wide else "avx2"
 ARENA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "q8_0 (uint8)"}
 HEAD_DIM_MULTIPLE = {np.dtype(np.float16): 8, np.dtype(np.uint8): KV_Q8_BLOCK}
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
+COMBINE_SYMBOL = "llb_attention_combine_f32__avx2"
 
 # Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
-# together, each with one score row; the kernel lays a row's score rows n_keys rounded up to
-# 8 floats apart, so MAX_HEADS rows of max_keys rounded up to LANES floats hold any row.
+# together, each with one score row of KV_SEGMENT floats; after them, for whole rows, the
+# partial records [segment][MAX_HEADS] of the segments one row's keys can span.
 MAX_HEADS = 3
 LANES = 16
+MAX_HEAD_DIM = 256                  # the scratch's default: any head_dim up to this
 MAX_EXACT_WINDOW = 2 ** 24          # the window travels as a float32
 PACKED_MAX = 2 ** 32                # heads and (n_kv, group) travel as two 32-bit halves
 F32 = np.dtype(np.float32)
@@ -65,23 +113,41 @@ F32_MAX = float(np.finfo(np.float32).max)
 def _check_tile():
     """Once: the kernels in the library were built for the scratch layout this binding assumes."""
     manifest = library.load("avx2").manifest
-    for symbol in ATTENTION_SYMBOLS.values():
+    for symbol in [attention_symbol(d, isa) for d in ATTENTION_SYMBOLS for isa in ATTENTION_ISAS]:
         entry = manifest.get(symbol)
-        if entry is not None and entry["tile"] != f"h{MAX_HEADS}":
+        if entry is not None and entry["tile"] != TILE:
             raise library.KernelLibraryError(f"{symbol} was built with tile {entry['tile']} but the binding "
-                                             f"expects h{MAX_HEADS}: codegen and runtime disagree")
+                                             f"expects {TILE}: codegen and runtime disagree")
 
 
-def scratch_floats(max_keys):
-    return MAX_HEADS * (-(-max_keys // LANES) * LANES)
+TILE = f"h{MAX_HEADS}s{KV_SEGMENT}"
 
 
-def paged_attention_scratch(max_keys):
-    """The scratch one thread passes to every ``attention_paged`` call: score rows for rows that
-    see up to ``max_keys`` keys (aligned; the same size as the reference's)."""
+def scratch_floats(max_keys, head_dim=MAX_HEAD_DIM):
+    """Score rows, then the partial records of the segments a row of max_keys keys can span
+    (a window's keys start anywhere in a segment: one more)."""
+    spans = kv_segments(max_keys) + 1
+    return MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(head_dim)
+
+
+def paged_attention_scratch(max_keys, head_dim=MAX_HEAD_DIM):
+    """The scratch one thread passes to every ``attention_paged`` call, for rows that see up
+    to ``max_keys`` keys and heads of up to ``head_dim`` (aligned; the reference's size)."""
     if isinstance(max_keys, bool) or not isinstance(max_keys, (int, np.integer)) or max_keys < 1:
         raise ValueError(f"max_keys: expected a positive integer, got {max_keys!r}")
-    return buffers.zeros(scratch_floats(int(max_keys)))
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
+        raise ValueError(f"head_dim: expected a positive integer, got {head_dim!r}")
+    return buffers.zeros(scratch_floats(int(max_keys), int(head_dim)))
+
+
+def partial_shape(m, n_head, head_dim, tables):
+    """[m, segments of the tables, n_head, record floats]: what split calls write."""
+    return (m, kv_segments(tables.shape[1] * KV_BLOCK), n_head, kv_partial_floats(head_dim))
+
+
+def attention_partials(m, n_head, head_dim, tables):
+    """The partial records split ``attention_paged`` calls write and ``attention_combine`` reads."""
+    return buffers.zeros(partial_shape(m, n_head, head_dim, tables))
 
 
 def _arena_dtype(name, arena, symbols, head_dim):
@@ -149,7 +215,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
 # ---------------------------------------------------------------- attention_paged
 
 def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                    heads=None, window=0):
+                    heads=None, window=0, *, isa=None):
     """out[i, h] = softmax_j(scale * q[i, h] . k_j) @ v_j over the keys row i sees in its
     sequence: j <= p = positions[i], and p - j < window when window > 0;
     kv = h // (n_head // n_kv). q, out f32 [m, n_head, head_dim]; arenas as in
@@ -157,7 +223,7 @@ def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
     least max_blocks * KV_BLOCK (or the window); heads=(h0, h1) computes only those query heads
     (out's others untouched). Index contents are the caller's to keep in range."""
     symbol, args = attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                                        heads, window)
+                                        heads, window, isa=isa)
     kernel(symbol)(*args)
 
 
@@ -175,7 +241,11 @@ def most_keys(tables, window):
 
 
 def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                         heads=None, window=0):
+                         heads=None, window=0, rows=None, partials=None, segments=None, *, isa=None):
+    """``rows=(r0, r1)``: only those rows. ``partials`` (from ``attention_partials``) and
+    ``segments=(seg0, step)``: a split call, which writes the partial records of the
+    segments s = seg0 (mod step) of its rows and heads to ``partials`` (out untouched);
+    ``attention_combine`` then merges them into out. The bits are the whole call's."""
     _check_tile()
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
@@ -203,21 +273,70 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
         raise ValueError(f"window: {window} is not below {MAX_EXACT_WINDOW} (the kernel receives it as a float32)")
     out_at = checked_address("out", out, F32, q.shape, writable=True)
     scratch_at = checked_address("scratch", scratch, F32, ndim=1, writable=True)
-    need = scratch_floats(most_keys(tables, window))
+    need = scratch_floats(most_keys(tables, window), head_dim)
     if scratch.size < need:
         raise ValueError(f"scratch: {scratch.size} floats, need {need} for rows seeing up to "
                          f"{most_keys(tables, window)} keys (tables' {tables.shape[1]} blocks of {KV_BLOCK}"
-                         f"{f', window {window}' if window else ''}); "
-                         "allocate it with paged_attention_scratch(max_keys)")
+                         f"{f', window {window}' if window else ''}) at head_dim {head_dim}; "
+                         "allocate it with paged_attention_scratch(max_keys, head_dim)")
     h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
+    r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
+    if r1 == r0:
+        raise ValueError(f"rows: ({r0}, {r1}) is empty")
+    if tables.shape[1] >= PACKED_MAX:
+        raise ValueError(f"tables: {tables.shape[1]} blocks per table, at most {PACKED_MAX - 1}")
     inputs = [("q", q), ("k_arena", k_arena), ("v_arena", v_arena), ("positions", positions),
               ("row_seq", row_seq), ("tables", tables)]
     _check_disjoint("out", out, inputs + [("scratch", scratch)])
     _check_disjoint("scratch", scratch, inputs)
     group = n_head // n_kv
-    return ATTENTION_SYMBOLS[dtype], [q_at, k_at, v_at, out_at, scratch_at, positions_at, row_seq_at, tables_at,
-                                      m, head_dim, n_kv | group << 32, tables.shape[1], h0 | h1 << 32,
+    dest_at = out_at + out.strides[0] * r0
+    packed_segments = 0
+    if (partials is None) != (segments is None):
+        raise ValueError("partials, segments: give both (a split call) or neither")
+    if partials is not None:
+        shape = partial_shape(m, n_head, head_dim, tables)
+        partials_at = checked_address("partials", partials, F32, shape, writable=True)
+        _check_disjoint("partials", partials, inputs + [("scratch", scratch), ("out", out)])
+        seg0, step = segments
+        step = _non_negative_int("segments step", step)
+        seg0 = _non_negative_int("segments seg0", seg0)
+        if not 0 < step < PACKED_MAX or seg0 >= step:
+            raise ValueError(f"segments: expected (seg0, step) with 0 <= seg0 < step, got {segments!r}")
+        packed_segments = seg0 | step << 32
+        dest_at = partials_at + partials.strides[0] * r0
+    return attention_symbol(dtype, attention_isa(head_dim, isa)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
+                                      positions_at + I32.itemsize * r0, row_seq_at + I32.itemsize * r0,
+                                      tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim,
+                                      n_kv | group << 32, h0 | h1 << 32, packed_segments,
                                       scale, float(window)]
+
+
+def attention_combine(partials, positions, tables, out, heads=None, window=0):
+    """out[i, h] for heads=(h0, h1) from the partial records split ``attention_paged`` calls
+    wrote for every segment of row i (same positions, tables, window)."""
+    symbol, args = attention_combine_call(partials, positions, tables, out, heads, window)
+    kernel(symbol)(*args)
+
+
+def attention_combine_call(partials, positions, tables, out, heads=None, window=0, rows=None):
+    out_at = checked_address("out", out, F32, ndim=3, writable=True)
+    m, n_head, head_dim = out.shape
+    positions_at = checked_address("positions", positions, I32, (m,), align=4)
+    tables_at = checked_address("tables", tables, I32, ndim=2, align=4)
+    del tables_at
+    partials_at = checked_address("partials", partials, F32, partial_shape(m, n_head, head_dim, tables))
+    _check_disjoint("out", out, [("partials", partials), ("positions", positions)])
+    window = _non_negative_int("window", window)
+    if window >= tables.shape[1] * KV_BLOCK:
+        window = 0
+    if window >= MAX_EXACT_WINDOW:
+        raise ValueError(f"window: {window} is not below {MAX_EXACT_WINDOW} (the kernel receives it as a float32)")
+    h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
+    r0, r1 = index_range("rows", rows, m, labels=("r0", "r1"))
+    return COMBINE_SYMBOL, [partials_at + partials.strides[0] * r0, out_at + out.strides[0] * r0,
+                            positions_at + I32.itemsize * r0, r1 - r0, head_dim, n_head, tables.shape[1],
+                            h0 | h1 << 32, float(window)]
 
 
 # ---------------------------------------------------------------- gather_rows

@@ -14,7 +14,7 @@ rows of int8 quants and f32 scales (codegen/contract.py ``kv_q8_row_bytes``), qu
 """
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK
+from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_segments
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
 # quantize_kv_q8 / dequantize_kv_q8 are module functions (not ops): the layout's definition.
@@ -23,12 +23,15 @@ MAX_HEADS = 3          # query heads sharing a KV head done together (the kernel
 LANES = 16
 
 
-def paged_attention_scratch(max_keys):
-    """The scratch one thread passes to every ``attention_paged`` call: score rows for up to
-    ``max_keys`` keys (a sequence's longest context)."""
-    if isinstance(max_keys, bool) or not isinstance(max_keys, (int, np.integer)) or max_keys < 1:
-        raise ValueError(f"max_keys: expected a positive integer, got {max_keys!r}")
-    return np.zeros(MAX_HEADS * (-(-int(max_keys) // LANES) * LANES), np.float32)
+def paged_attention_scratch(max_keys, head_dim=256):
+    """The scratch one thread passes to every ``attention_paged`` call, for rows that see up to
+    ``max_keys`` keys with heads of up to ``head_dim``: the kernels' score rows of a segment and
+    the partial records of the segments a row can span (codegen/contract.py KV_SEGMENT)."""
+    for name, value in (("max_keys", max_keys), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    spans = kv_segments(int(max_keys)) + 1
+    return np.zeros(MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(int(head_dim)), np.float32)
 
 
 def quantize_kv_q8(x):

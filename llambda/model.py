@@ -220,7 +220,7 @@ class TransformerModel:
             # wants the plan runs; the records are not written to again
             from llambda.runtime import plan_cache
             storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
-                                             [s for s in rec._scratch if s is not None])
+                                             rec.scratch_buffers())
             self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 

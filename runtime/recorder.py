@@ -284,6 +284,12 @@ class PlanRecorder:
                       OpInfo("attention_combine", 0,
                              4.0 * m * kv_segments(keys) * (h1 - h0) * kv_partial_floats(hd), window=window))
 
+    def scratch_buffers(self):
+        """Every scratch array the plan's records point at and the recorder owns (attention's
+        score rows and split attention's partial records), flat: runtime/plan_cache.py
+        allocates them again when it reads the plan back."""
+        return list(self._keep) + [b.reshape(-1) for b in self._partial_buffers.values()]
+
     def _partials(self, m, n_head, hd, tables):
         """The partial records of split attention ops: one buffer per shape, shared by layers
         (the barriers between a layer's combine and the next layer's attention keep them apart)."""

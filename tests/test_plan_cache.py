@@ -266,3 +266,32 @@ def test_idle_engine_makes_every_plan_ahead(model_file, cache):
     with load(model_file) as model:                   # made ahead, so kept: no recording at all
         assert [e.token for e in model.submit(PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)] == ids
         assert set(map(type, model.net._plans.values())) == {KeptPlan}
+
+
+@pytest.fixture(scope="module")
+def long_model_file(tmp_path_factory):
+    """A context of several attention segments: decode steps on 2 threads split their
+    attention over segments, into partial records the recorder owns, then combine them."""
+    gguf = tmp_path_factory.mktemp("plans-long") / "tiny-long.gguf"
+    write_random_llama(gguf, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=300,
+                       tensor_type="Q4_1", n_ctx=1024, seed=6)
+    return convert.ensure_converted(gguf, progress=False)
+
+
+def test_split_attention_plans_are_kept_with_their_partials(long_model_file, cache):
+    def decode(model):
+        ids = list(model.generate(PROMPT, max_tokens=6, temperature=0))
+        return ids, {k: type(p) for k, p in model.net._plans.items()}, model.net._plans[(1, 1)]
+    with llambda.load(long_model_file, n_ctx=1024, threads=2, progress=False) as model:
+        recorded, kinds, decode_plan = decode(model)
+        assert "attention_combine" in [op.name for op in decode_plan.ops]   # the split path ran
+    assert set(kinds.values()) == {PlanRecorder}
+    for _ in range(50):                          # the stores run on another thread
+        if len(plan_files(cache)) == len(kinds):
+            break
+        time.sleep(0.1)
+    assert len(plan_files(cache)) == len(kinds)
+    with llambda.load(long_model_file, n_ctx=1024, threads=2, progress=False) as model:
+        kept, kinds, _ = decode(model)
+        assert set(kinds.values()) == {KeptPlan}
+    assert kept == recorded

@@ -42,6 +42,7 @@ FORMAT_VERSION = 1
 MAGIC = b"LLBPLAN\x01"
 _HEAD = struct.Struct("<8sQI4x")       # magic, length of the JSON header, CRC32 of header + payload
 CACHE_SUBDIR = "plans"
+DIR_ENV = "LLAMBDA_PLAN_DIR"            # another directory for them (the test suite's own)
 MAX_SCRATCH = 1 << 31                   # floats in one attention scratch at most (a forged size is refused)
 MAX_BYTES = 256 << 20                   # the least recently used beyond this are removed when one is stored
 
@@ -305,7 +306,13 @@ def key_text(parts):
 def path_for(key):
     import hashlib
     digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return paths.cache_dir() / CACHE_SUBDIR / f"{digest}.plan"
+    return plan_dir() / f"{digest}.plan"
+
+
+def plan_dir():
+    """``$LLAMBDA_PLAN_DIR``, else ``<cache>/plans``."""
+    explicit = os.environ.get(DIR_ENV)
+    return Path(explicit) if explicit else paths.cache_dir() / CACHE_SUBDIR
 
 
 def encode(key, header, payload):

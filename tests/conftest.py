@@ -13,6 +13,16 @@ settings.register_profile("thorough", deadline=None, max_examples=1000,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("LLAMBDA_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev"))
 
+# The suite loads hundreds of throwaway models: their recorded plans (runtime/plan_cache.py)
+# go to a directory of the run's own, inherited by the processes tests start, never into the
+# user's cache. A test of the plan cache itself picks its own.
+if not os.environ.get("LLAMBDA_PLAN_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["LLAMBDA_PLAN_DIR"] = tempfile.mkdtemp(prefix="llambda-test-plans-")
+    atexit.register(shutil.rmtree, os.environ["LLAMBDA_PLAN_DIR"], True)
+
 
 @pytest.fixture(scope="session")
 def native():

@@ -35,6 +35,7 @@ def cache(tmp_path, monkeypatch):
     """An empty cache directory, the kernel library kept where it is."""
     monkeypatch.setenv("LLAMBDA_KERNEL_DIR", str(library.library_dir()))
     monkeypatch.setenv("LLAMBDA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(plan_cache.DIR_ENV, raising=False)
     return tmp_path / plan_cache.CACHE_SUBDIR
 
 

@@ -3,9 +3,16 @@
 The kernels require 32-byte alignment (aligned ymm loads); we give 64 so that
 buffers handed to different threads never share a cache line at their start.
 """
+import mmap
+
 import numpy as np
 
 ALIGNMENT = 64
+# Zeros at least this large are anonymous mappings of their own: pages the kernel hands out
+# zeroed and only when first touched. calloc gives that only while a block is above glibc's
+# mmap threshold, which rises as large blocks are freed (to 32 MiB): past that, calloc takes
+# heap memory and clears it, and a KV cache of many arenas then costs milliseconds at load.
+MAPPED_ZEROS = 256 << 10
 
 
 def empty(shape, dtype=np.float32, align=ALIGNMENT):
@@ -13,10 +20,21 @@ def empty(shape, dtype=np.float32, align=ALIGNMENT):
 
 
 def zeros(shape, dtype=np.float32, align=ALIGNMENT):
-    """Zeros that cost nothing until written: numpy's zeros is calloc, which takes a
-    large block as fresh pages from the kernel (already zero, not yet resident), so a
-    KV cache sized for the whole context only becomes memory where positions are stored."""
-    return _aligned(np.zeros, shape, dtype, align)
+    """Zeros that cost nothing until written: a large block is fresh pages from the
+    kernel (already zero, not yet resident), so a KV cache sized for the whole context
+    only becomes memory where positions are stored."""
+    return _aligned(_zeros, shape, dtype, align)
+
+
+class ZeroPages(mmap.mmap):
+    """An anonymous mapping of zeros (runtime/prefault.py tells it from a file's)."""
+
+
+def _zeros(nbytes, dtype):
+    if nbytes < MAPPED_ZEROS:
+        return np.zeros(nbytes, dtype=dtype)
+    # page-aligned, so aligned for any ALIGNMENT; the array keeps the mapping alive
+    return np.frombuffer(ZeroPages(-1, nbytes), dtype=dtype)
 
 
 def _aligned(allocate, shape, dtype, align):

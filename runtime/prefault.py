@@ -14,6 +14,8 @@ import ctypes
 import mmap
 import threading
 
+from .buffers import ZeroPages
+
 MADV_POPULATE_READ = 22
 
 
@@ -27,7 +29,7 @@ def populate_async(arrays):
         base = a
         while isinstance(base, (np.ndarray, memoryview)):
             base = base.base if isinstance(base, np.ndarray) else base.obj
-        if isinstance(base, mmap.mmap) and a.nbytes:
+        if isinstance(base, mmap.mmap) and not isinstance(base, ZeroPages) and a.nbytes:
             start = a.__array_interface__["data"][0]
             page = start // mmap.PAGESIZE * mmap.PAGESIZE
             spans.append((page, start + a.nbytes - page))

@@ -31,7 +31,7 @@ def test_file_mapping_is_populated_and_unchanged(tmp_path):
 
 def test_anonymous_memory_is_left_alone():
     before = _resident_kib()
-    big = buffers.zeros((64 << 20) // 4)                    # 64 MiB, calloc'd: not resident
+    big = buffers.zeros((64 << 20) // 4)                    # 64 MiB of zero pages: not resident
     assert prefault.populate_async([big, np.zeros(3)]) is None
     assert _resident_kib() - before < 8 << 10
     assert prefault.populate_async([]) is None

@@ -79,8 +79,10 @@ class Model:
             path = convert.ensure_converted(catalog.resolve(path), progress=progress)
         self.path = path
         self.config, tokenizer_md, weights = convert.load_model_file(path)
-        _prefault(weights, self.config)
         self.tokenizer = convert.build_tokenizer(path, tokenizer_md)
+        # after the tokenizer: its build's transient memory is gone before the weights become
+        # resident, so the two do not add up in the peak (a 262k-token vocabulary's is tens of MB)
+        _prefault(weights, self.config)
         # Ids from n_vocab on have an embedding row but are no token to produce
         self.n_vocab = vocabulary_size(tokenizer_md.get("tokenizer.ggml.tokens", ()), self.config.vocab_size)
         # a chat_formats.ChatTemplate: .name, .text, .builtin

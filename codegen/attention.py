@@ -16,8 +16,8 @@ Three streaming passes per (query, heads sharing a KV head, key segment: codegen
     accumulating in registers (independent FMA chains hide the FMA latency),
     each accumulator reduced to a score with VHADDPS (``score_dots``,
     ``reduce_to_scores``, ``reduce_to_scalar``: one fixed order of additions);
- 2. softmax in place on the score rows in the caller's scratch (``emit_softmax``; the
-    paged kernel stops before normalising, its combine divides);
+ 2. exp(s - max) in place on the score rows and their sum (codegen/paged.py's
+    ``emit_exp_row``: a segment is not normalised, the combine divides);
  3. out = P V in key blocks of KEY_BLOCK keys (codegen/paged.py).
 
 head_dim that is not a multiple of 8 ends in one masked chunk (VMASKMOVPS), so
@@ -25,13 +25,12 @@ nothing past a row is read. This module emits no kernel of its own (no ``emit``)
 """
 from peachpy import Constant
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, Loop, Block,
-                            MOV, LEA, ADD, SHR, AND, TEST, DEC, JZ, JNZ,
-                            VMOVUPS, VMOVAPS, VMASKMOVPS, VXORPS, VANDPS,
-                            VFMADD231PS, VADDPS, VSUBPS, VMULPS, VDIVPS, VMAXPS, VHADDPS,
-                            VPERM2F128, VBLENDPS, VBLENDVPS, VEXTRACTF128)
+                            MOV, LEA, ADD, TEST, DEC, JZ, JNZ,
+                            VMOVUPS, VMASKMOVPS, VXORPS,
+                            VFMADD231PS, VADDPS, VHADDPS,
+                            VPERM2F128, VBLENDPS, VEXTRACTF128)
 
-from .common import fold_lanes, tail_mask
-from .vmath import exp_ps
+from .common import tail_mask
 
 
 LANES = 8
@@ -171,84 +170,3 @@ def score_dots(heads, keys, frame, q_heads, k_rows):
     return accs
 
 
-# ---------------------------------------------------------------- pass 2: softmax
-
-def emit_softmax_row(frame, score_row):
-    """In place: s -> exp(s - max s) / sum, over the first n_keys entries of the row."""
-    p, chunks, tail = gp(), gp(), gp()
-
-    def for_each_chunk(body, masked_body):
-        MOV(p, score_row)
-        MOV(chunks, frame.n_keys)
-        SHR(chunks, 3)
-        loop = Loop()
-        JZ(loop.end)
-        with loop:
-            body()
-            ADD(p, CHUNK)
-            DEC(chunks)
-            JNZ(loop.begin)
-        last = Block()
-        with last:
-            MOV(tail, frame.n_keys)
-            AND(tail, LANES - 1)
-            JZ(last.end)
-            mask = YMMRegister()
-            tail_mask(mask, tail)
-            masked_body(mask)
-
-    peak = YMMRegister()
-    VMOVAPS(peak, NEG_INF)
-
-    def max_masked(mask):
-        x, neg_inf = YMMRegister(), YMMRegister()
-        VMASKMOVPS(x, mask, [p])
-        VMOVAPS(neg_inf, NEG_INF)
-        VBLENDVPS(x, neg_inf, x, mask)
-        VMAXPS(peak, peak, x)
-    for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked)
-    fold_lanes(VMAXPS, peak)
-
-    total = YMMRegister()
-    VXORPS(total, total, total)
-
-    def exp_chunk(mask=None):
-        x, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
-        if mask is None:
-            VMOVUPS(x, [p])
-        else:
-            VMASKMOVPS(x, mask, [p])
-        VSUBPS(x, x, peak)
-        exp_ps(x, x, t1, t2)
-        if mask is None:
-            VMOVUPS([p], x)
-        else:
-            VANDPS(x, x, mask)          # lanes past n_keys loaded as 0: exp(0 - max) must not count
-            VMASKMOVPS([p], mask, x)
-        VADDPS(total, total, x)
-    for_each_chunk(exp_chunk, exp_chunk)
-    fold_lanes(VADDPS, total)
-
-    inverse = YMMRegister()
-    VMOVAPS(inverse, Constant.float32x8(1.0))
-    VDIVPS(inverse, inverse, total)
-
-    def normalise_chunk(mask=None):
-        x = YMMRegister()
-        if mask is None:
-            VMULPS(x, inverse, [p])
-            VMOVUPS([p], x)
-        else:
-            VMASKMOVPS(x, mask, [p])
-            VMULPS(x, x, inverse)
-            VMASKMOVPS([p], mask, x)
-    for_each_chunk(normalise_chunk, normalise_chunk)
-
-
-def emit_softmax(heads, frame):
-    score_row = gp()
-    MOV(score_row, frame.scores)
-    for h in range(heads):
-        if h:
-            ADD(score_row, frame.stride4)
-        emit_softmax_row(frame, score_row)

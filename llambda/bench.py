@@ -62,8 +62,9 @@ def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens, spawn
 def _measure_llamacpp(gguf_path, threads, n_ctx, prompt_sizes, gen_tokens, spawned):
     import llama_cpp
     t = time.perf_counter()
+    # flash attention: llama.cpp's fastest CPU setting, the one llambda is compared with
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+                          n_threads_batch=threads, flash_attn=True, verbose=False)
     load_s = time.perf_counter() - t
     vocab = llm.n_vocab()
     llm.eval(llm.tokenize(STARTUP_PROMPT.encode()))

@@ -66,3 +66,33 @@ def test_the_table_says_when_a_core_was_busy(tiny):
     report = bench.run(str(tiny), threads=(1,), repeats=1, n_ctx=1024, as_json=True, out=io.StringIO(),
                        gen_tokens=4, busy_cpu=max(os.sched_getaffinity(0)))
     assert "kept busy by another process" in bench._markdown(report, ["llambda"], (1,))
+
+
+def test_llamacpp_runs_with_flash_attention(monkeypatch, tmp_path):
+    """The anchor is llama.cpp at its best CPU setting: the child asks for flash attention."""
+    import ctypes
+    import sys
+    import types
+    made = {}
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+            self._logits = (ctypes.c_float * 16)()
+            self._ctx = types.SimpleNamespace(get_logits_ith=lambda i: self._logits)
+
+        def n_vocab(self):
+            return 16
+
+        def tokenize(self, text):
+            return [1, 2]
+
+        def eval(self, ids):
+            pass
+
+        def reset(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    bench._measure_llamacpp(tmp_path / "m.gguf", 2, 256, (4,), 2, time.time())
+    assert made["flash_attn"] is True and made["n_threads"] == 2

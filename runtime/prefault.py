@@ -3,8 +3,9 @@
 A fresh mapping of the weight file has no page-table entries: the first step takes a
 minor fault every few pages of the whole file (it reads every weight), in the middle of
 the first token. ``madvise(MADV_POPULATE_READ)`` makes the same entries in one call, and
-through ctypes that call leaves the GIL free, so a thread started right after the file
-is mapped does it while the main thread builds the tokenizer and the model. The pages
+through ctypes that call leaves the GIL free, so a thread started once the tokenizer is
+built (llambda/api.py: its build's transient memory is gone by then and does not add to
+the peak) does it while the main thread builds the model. The pages
 come from the page cache as the faults would have taken them (nothing is copied, the
 resident memory is what the first token makes resident anyway). Best effort: a kernel
 without MADV_POPULATE_READ (before Linux 5.14), or any error, leaves the faults to the

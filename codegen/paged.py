@@ -1013,13 +1013,44 @@ def record_layout(frame, head_dim):
     MOV(frame.rec4, t)
 
 
-def emit_setup(frame, args):
+def argument_loader(args):
+    """load(name): a fresh register holding the integer or pointer argument ``name``."""
     by_name = {a.name: a for a in args}
 
     def load(name):
         reg = gp()
         LOAD.ARGUMENT(reg, by_name[name])
         return reg
+    return load
+
+
+def store_window(frame, arg):
+    """frame.window1 = window - 1 from the float argument ``arg``."""
+    window_f, window = YMMRegister(), gp()
+    LOAD.ARGUMENT(window_f.as_xmm, arg)
+    VCVTTSS2SI(window, window_f.as_xmm)
+    SUB(window, 1)                                   # window 0 (unlimited) wraps to 2^64 - 1
+    MOV(frame.window1, window)
+
+
+def store_head_dim(frame, head_dim):
+    """The frame's row sizes of head_dim (hd4, full ymm chunks, tail, record layout); returns hd4."""
+    t, hd4 = gp(), gp()
+    LEA(hd4, [head_dim * FLOAT])
+    MOV(frame.hd4, hd4)
+    MOV(t, head_dim)
+    SHR(t, 3)
+    MOV(frame.full_chunks, t)
+    MOV(t, head_dim)
+    AND(t, LANES - 1)
+    MOV(frame.tail, t)
+    record_layout(frame, head_dim)
+    return hd4
+
+
+def emit_setup(frame, args):
+    by_name = {a.name: a for a in args}
+    load = argument_loader(args)
 
     for name, slot in (("q", frame.q_row), ("k_arena", frame.k), ("v_arena", frame.v),
                        ("dest", frame.out_row), ("scratch", frame.scores), ("positions", frame.positions),
@@ -1032,11 +1063,7 @@ def emit_setup(frame, args):
     scale = YMMRegister()
     LOAD.ARGUMENT(scale.as_xmm, by_name["scale"])
     VMOVSS(frame.scale, scale.as_xmm)
-    window_f, window = YMMRegister(), gp()
-    LOAD.ARGUMENT(window_f.as_xmm, by_name["window"])
-    VCVTTSS2SI(window, window_f.as_xmm)
-    SUB(window, 1)                                   # window 0 (unlimited) wraps to 2^64 - 1
-    MOV(frame.window1, window)
+    store_window(frame, by_name["window"])
 
     packed = load("kv_heads")
     n_kv, group = gp(), gp()
@@ -1063,20 +1090,12 @@ def emit_setup(frame, args):
     IMUL(group_end, frame.group)
     MOV(frame.group_end0, group_end)
 
-    head_dim, t, hd4 = load("head_dim"), gp(), gp()
-    LEA(hd4, [head_dim * FLOAT])
-    MOV(frame.hd4, hd4)
-    MOV(t, head_dim)
-    SHR(t, 3)
-    MOV(frame.full_chunks, t)
+    head_dim, t = load("head_dim"), gp()
+    hd4 = store_head_dim(frame, head_dim)
     MOV(t, head_dim)
     SHR(t, frame.lanes.bit_length() - 1)
     MOV(frame.pass_chunks, t)
-    MOV(t, head_dim)
-    AND(t, LANES - 1)
-    MOV(frame.tail, t)
     MOV(frame.head_dim, head_dim)
-    record_layout(frame, head_dim)
     if frame.q8:
         MOV(t, head_dim)                             # head_dim quants + head_dim / 8 scale bytes
         SHR(t, 3)
@@ -1166,29 +1185,13 @@ def emit_attention_combine(isa):
     with fn:
         frame = new_frame("f32")
         by_name = {a.name: a for a in args}
-
-        def load(name):
-            reg = gp()
-            LOAD.ARGUMENT(reg, by_name[name])
-            return reg
+        load = argument_loader(args)
         for name, slot in (("partials", frame.pbase), ("out", frame.out_row), ("positions", frame.positions),
                            ("m", frame.rows_left)):
             MOV(slot, load(name))
-        window_f, window = YMMRegister(), gp()
-        LOAD.ARGUMENT(window_f.as_xmm, by_name["window"])
-        VCVTTSS2SI(window, window_f.as_xmm)
-        SUB(window, 1)
-        MOV(frame.window1, window)
-        head_dim, hd4, t = load("head_dim"), gp(), gp()
-        LEA(hd4, [head_dim * FLOAT])
-        MOV(frame.hd4, hd4)
-        MOV(t, head_dim)
-        SHR(t, 3)
-        MOV(frame.full_chunks, t)
-        MOV(t, head_dim)
-        AND(t, LANES - 1)
-        MOV(frame.tail, t)
-        record_layout(frame, head_dim)
+        store_window(frame, by_name["window"])
+        head_dim, t = load("head_dim"), gp()
+        hd4 = store_head_dim(frame, head_dim)
         n_head = load("n_head")
         MOV(t, n_head)
         IMUL(t, hd4)

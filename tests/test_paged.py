@@ -81,17 +81,23 @@ def first_key(position, window):
     return max(0, position - window + 1) if window else 0
 
 
+def draw_rows(data, lengths, m):
+    """m rows (sequence, position) over sequences of these lengths, often at a sequence's end."""
+    rows = []
+    for _ in range(m):
+        s = data.draw(st.integers(0, len(lengths) - 1), label="row's sequence")
+        p = data.draw(st.one_of(st.just(lengths[s] - 1), st.integers(0, lengths[s] - 1)), label="position")
+        rows.append((s, p))
+    return rows
+
+
 def draw_step(data, window_too=False):
     n_head, n_kv = data.draw(st.sampled_from(HEAD_CONFIGS), label="heads")
     head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
     n_seq = data.draw(st.integers(1, 3), label="sequences")
     lengths = [data.draw(LENGTHS, label="length") for _ in range(n_seq)]
     m = data.draw(st.one_of(st.sampled_from([1, 2, 7]), st.integers(1, 22)), label="m")
-    rows = []
-    for _ in range(m):
-        s = data.draw(st.integers(0, n_seq - 1), label="row's sequence")
-        p = data.draw(st.one_of(st.just(lengths[s] - 1), st.integers(0, lengths[s] - 1)), label="position")
-        rows.append((s, p))
+    rows = draw_rows(data, lengths, m)
     window = 0
     if window_too and data.draw(st.booleans(), label="windowed"):
         window = data.draw(st.one_of(st.sampled_from([1, 2, 3, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1]),
@@ -768,11 +774,7 @@ def draw_long_step(data, arena_type):
     n_seq = data.draw(st.integers(1, 2), label="sequences")
     lengths = [data.draw(LONG_LENGTHS, label="length") for _ in range(n_seq)]
     m = data.draw(st.integers(1, 5), label="m")
-    rows = []
-    for _ in range(m):
-        s = data.draw(st.integers(0, n_seq - 1), label="row's sequence")
-        p = data.draw(st.one_of(st.just(lengths[s] - 1), st.integers(0, lengths[s] - 1)), label="position")
-        rows.append((s, p))
+    rows = draw_rows(data, lengths, m)
     window = 0
     if data.draw(st.booleans(), label="windowed"):
         window = data.draw(st.one_of(st.sampled_from([1, KV_SEGMENT - 1, KV_SEGMENT, KV_SEGMENT + 1]),

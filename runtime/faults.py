@@ -25,6 +25,7 @@ Table layout (u64 words), at a fixed address patched into the handler's code::
     then CAPACITY entries of [start, end, message address, message length]
 """
 import ctypes
+import functools
 import hashlib
 import mmap
 import os
@@ -187,6 +188,7 @@ def _emit():
     return bytes(function.finalize(abi.system_v_x86_64_abi).encode().code_section.content)
 
 
+@functools.lru_cache(maxsize=None)
 def handler_name():
     """The file name of this module's handler bytes: keyed by its source, so bytes built from
     another version of it are never taken."""

@@ -28,6 +28,12 @@ KV_BLOCK = 16        # positions per KV block
 # q = rint(x / d) (x times the f32 1/d, nearest even), d = 0 for an all-zero block.
 KV_Q8_BLOCK = 32
 KV_Q8_SCALE_BYTES = 4
+# Key arenas (the K cache) hold the same bytes per (block, KV head) as KV_BLOCK rows, laid out
+# as a key tile: [head_dim][KV_BLOCK], element d of key j of the block at d * KV_BLOCK + j, so
+# the scores kernel multiplies a vector of the block's keys by one broadcast q element (no
+# horizontal sums). A q8_0 key tile is the quants so ([head_dim][KV_BLOCK] int8), then the
+# scales as [head_dim / KV_Q8_BLOCK][KV_BLOCK] f32. Value arenas (V) keep rows: P V multiplies
+# a row by one broadcast probability. runtime/ref/paged.py key_tiles / key_rows convert.
 
 
 def kv_q8_row_bytes(head_dim):

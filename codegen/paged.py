@@ -47,16 +47,17 @@ table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32
 from types import SimpleNamespace
 
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, VEXTRACTF64X4, LOAD, Loop, Block,
-                            RETURN, MOV, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
+                            RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
 from peachpy import Constant
+from peachpy.x86_64 import byte, word, dword
 
-from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, SCORE_KEYS, KEY_BLOCK,
-                        gp, reduce_to_scalar, reduce_to_scores, row, score_dots, ymms, zeroed)
+from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_BLOCK,
+                        gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA
 from .vmath import exp_ps
@@ -80,6 +81,10 @@ ROUND_NEAREST_EVEN = 0
 Q8_CHUNKS = KV_Q8_BLOCK // LANES         # chunks of 8 per scale
 # P V tiles of q8_0 (heads x chunks): one register more for the scale than f32's
 PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
+# Scores: partial sums per key (interleaved over head_dim) by ISA (wide = avx512): enough
+# independent FMA chains for heads x KV_BLOCK / lanes x partials = 12 accumulators.
+KEY_PARTIALS = {True: 4, False: 2}
+SCORE_SLACK = KV_BLOCK              # floats before the first score row: a first block's early lanes
 
 ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
                        ("dest", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
@@ -179,198 +184,108 @@ def zeroed_vectors(frame, heads, n):
 # ---------------------------------------------------------------- pass 1: scores
 
 def dequantized_chunk(out, quants, scale):
-    """out = the f32 values d * q of 8 int8 quants at ``quants``; ``scale`` a ymm of d."""
+    """out = the f32 values d * q of 8 (16) int8 quants at ``quants``; ``scale`` the scales
+    (a vector, or their address)."""
     VPMOVSXBD(out, quants)
     VCVTDQ2PS(out, out)
     VMULPS(out, out, scale)
 
 
-def key_addressing(frame, keys):
-    """(hd4, kd, key_addr) for a tile of ``keys`` arena rows frame.kd bytes apart:
-    key_addr(base_lo, base_hi, key) is key ``key``'s address, keys 4.. counted from base_hi."""
-    hd4, kd = gp(), gp()
-    MOV(hd4, frame.hd4)
-    MOV(kd, frame.kd)
-    if keys > 3:
-        kd3 = gp()
-        LEA(kd3, [kd + kd * 2])
-
-    def key_addr(base_lo, base_hi, key):
-        base = base_lo if key < 4 else base_hi
-        index = key % 4
-        if index == 0:
-            return [base]
-        if index == 3:
-            return [base + kd3 * 1]
-        return [base + kd * index]
-    return hd4, kd, key_addr
-
-
-def key_dots_q8(heads, keys, frame, k_rows):
-    """key_dots over q8_0 rows: each K chunk dequantized (its scale broadcast), then the f32
-    FMAs in the f32 order. q stays in registers for up to 2 heads; for 3 it is read from
-    memory (12 accumulators, the chunk and its scale fill the registers)."""
-    hd4, kd, key_addr = key_addressing(frame, keys)
-    accs = zeroed(heads, keys)
-    qd, kp, ks = gp(), gp(), gp()
-    MOV(qd, frame.q_heads)
-    MOV(kp, k_rows)
-    MOV(ks, k_rows)
-    ADD(ks, frame.head_dim)                          # the row's scales
-    kp4 = ks4 = None
-    if keys > 4:
-        kp4, ks4 = gp(), gp()
-        LEA(kp4, [kp + kd * 4])
-        LEA(ks4, [ks + kd * 4])
-    blocks = gp()
-    MOV(blocks, frame.full_chunks)
-    SHR(blocks, 2)
-    in_registers = heads < 3
-    with Loop() as loop:
-        for c in range(Q8_CHUNKS):
-            if in_registers:
-                q = ymms(heads)
-                for h in range(heads):
-                    VMOVUPS(q[h], row(qd, hd4, h, c * CHUNK))
-            for key in range(keys):
-                k, d = YMMRegister(), YMMRegister()
-                VBROADCASTSS(d, key_addr(ks, ks4, key))
-                quants = key_addr(kp, kp4, key)
-                quants[0] = quants[0] + c * LANES
-                dequantized_chunk(k, quants, d)
-                for h in range(heads):
-                    if in_registers:
-                        VFMADD231PS(accs[h][key], q[h], k)
-                    else:
-                        VFMADD231PS(accs[h][key], k, row(qd, hd4, h, c * CHUNK))
-        ADD(qd, Q8_CHUNKS * CHUNK)
-        ADD(kp, KV_Q8_BLOCK)
-        ADD(ks, 4)
-        if kp4 is not None:
-            ADD(kp4, KV_Q8_BLOCK)
-            ADD(ks4, 4)
-        DEC(blocks)
-        JNZ(loop.begin)
-    return accs
-
-
-def key_dots_wide(heads, keys, frame, k_rows):
-    """key_dots on zmm (16 lanes; head_dim % 16 == 0): the accumulators over head_dim, each
-    folded to a ymm (high half + low half) for codegen/attention.py's reductions. f16 K
-    chunks converted from 16 halves, q8_0 from 16 quants times their block's scale; q from
-    memory for 3 heads (12 accumulators, a chunk and a scale fill the 16 registers)."""
-    hd4, kd, key_addr = key_addressing(frame, keys)
-    accs = zeroed_vectors(frame, heads, keys)
-    qd, kp = gp(), gp()
-    MOV(qd, frame.q_heads)
-    MOV(kp, k_rows)
-    kp4 = None
-    if keys > 4:
-        kp4 = gp()
-        LEA(kp4, [kp + kd * 4])
-    in_registers = heads < 3 or not frame.q8
+def key_vector(frame, out, at, scale=None):
+    """out = the f32 values of frame.lanes consecutive K tile elements at ``at``: f32 loaded,
+    f16 converted exactly, q8_0 dequantized (``scale``: the address of their scales)."""
     if frame.q8:
-        ks = gp()
-        MOV(ks, k_rows)
-        ADD(ks, frame.head_dim)                      # the row's scales
-        ks4 = None
-        if keys > 4:
-            ks4 = gp()
-            LEA(ks4, [ks + kd * 4])
-        count = gp()
+        dequantized_chunk(out, at, scale)
+    elif frame.half:
+        VCVTPH2PS(out, at)
+    else:
+        VMOVUPS(out, at)
+
+
+def tile_scores(heads, frame, tile, out):
+    """Scores of the KV_BLOCK keys of one block for up to MAX_HEADS heads:
+    out[h][j] = scale * q[h] . k_j, from a key tile [head_dim][KV_BLOCK] (codegen/contract.py).
+
+    Keys sit in the lanes, so there is no horizontal sum: for each dimension d, the tile's
+    row d (KV_BLOCK keys) times q[h][d] broadcast. Each score sums its products in
+    KEY_PARTIALS interleaved partials (d = r mod KEY_PARTIALS, d ascending), added
+    pairwise at the end: a fixed order per key, whatever the block, the lane, the tile's
+    heads or the row."""
+    partials = KEY_PARTIALS[frame.wide]
+    halves = KV_BLOCK // frame.lanes
+    e = ARENA_BYTES[frame.arena]
+    accs = [[[frame.vec() for _ in range(partials)] for _ in range(halves)] for _ in range(heads)]
+    for a in sum(sum(accs, []), []):
+        VXORPS(a, a, a)
+    kp, qd, hd4 = gp(), gp(), gp()
+    MOV(kp, tile)
+    MOV(qd, frame.q_heads)
+    MOV(hd4, frame.hd4)
+
+    def dims(count, scales=None):
+        """``count`` dimensions from kp / qd on: dimension r of them into partial r % partials."""
+        for r in range(count):
+            k = [frame.vec() for _ in range(halves)]
+            for v in range(halves):
+                scale = None if scales is None else [scales + v * frame.lanes * FLOAT]
+                key_vector(frame, k[v], [kp + (r * KV_BLOCK + v * frame.lanes) * e], scale)
+            for h in range(heads):
+                b = frame.vec()
+                VBROADCASTSS(b, row(qd, hd4, h, r * FLOAT))
+                for v in range(halves):
+                    VFMADD231PS(accs[h][v][r % partials], k[v], b)
+
+    count = gp()
+    if frame.q8:
+        # a block of 32 dimensions shares one scale per key: the scale rows follow the quants
+        scales = gp()
+        MOV(scales, frame.head_dim)
+        SHL(scales, LOG2_KV_BLOCK)
+        ADD(scales, tile)
         MOV(count, frame.head_dim)
         SHR(count, 5)
-        per_step = frame.q8_chunks
+        with Loop() as blocks:
+            dims(KV_Q8_BLOCK, scales)
+            ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
+            ADD(qd, KV_Q8_BLOCK * FLOAT)
+            ADD(scales, KV_BLOCK * FLOAT)
+            DEC(count)
+            JNZ(blocks.begin)
     else:
-        count = gp()
-        MOV(count, frame.pass_chunks)
-        per_step = 1
-    with Loop() as loop:
-        for c in range(per_step):
-            if in_registers:
-                q = [frame.vec() for _ in range(heads)]
-                for h in range(heads):
-                    VMOVUPS(q[h], row(qd, hd4, h, c * frame.chunk))
-            for key in range(keys):
-                k = frame.vec()
-                if frame.q8:
-                    d = frame.vec()
-                    VBROADCASTSS(d, key_addr(ks, ks4, key))
-                    quants = key_addr(kp, kp4, key)
-                    quants[0] = quants[0] + c * frame.lanes
-                    dequantized_chunk(k, quants, d)
-                elif frame.half:
-                    VCVTPH2PS(k, key_addr(kp, kp4, key))
-                else:
-                    VMOVUPS(k, key_addr(kp, kp4, key))
-                for h in range(heads):
-                    if in_registers:
-                        VFMADD231PS(accs[h][key], q[h], k)
-                    else:
-                        VFMADD231PS(accs[h][key], k, row(qd, hd4, h, c * frame.chunk))
-        ADD(qd, per_step * frame.chunk)
-        step = KV_Q8_BLOCK if frame.q8 else frame.lanes * ARENA_BYTES[frame.arena]
-        ADD(kp, step)
-        if kp4 is not None:
-            ADD(kp4, step)
-        if frame.q8:
-            ADD(ks, 4)
-            if ks4 is not None:
-                ADD(ks4, 4)
-        DEC(count)
-        JNZ(loop.begin)
-    folded = []
-    for accs_h in accs:
-        row_accs = []
-        for a in accs_h:
-            high = YMMRegister()
-            VEXTRACTF64X4(high, a, 1)
-            VADDPS(a.as_ymm, a.as_ymm, high)
-            row_accs.append(a.as_ymm)
-        folded.append(row_accs)
-    return folded
+        MOV(count, frame.head_dim)
+        SHR(count, partials.bit_length() - 1)
+        groups = Loop()
+        JZ(groups.end)                               # f32 head_dim 1
+        with groups:
+            dims(partials)
+            ADD(kp, partials * KV_BLOCK * e)
+            ADD(qd, partials * FLOAT)
+            DEC(count)
+            JNZ(groups.begin)
+        if frame.arena == "f32" and not frame.wide:  # any head_dim: the last odd dimension
+            odd = Block()
+            with odd:
+                TEST(frame.head_dim, 1)
+                JZ(odd.end)
+                dims(1)
 
-
-def key_dots(heads, keys, frame, k_rows):
-    """codegen/attention.py's score_dots for an f32 arena; for f16 the same FMAs in the same
-    order, each K chunk converted from 8 halves first (head_dim % 8 == 0: no tail)."""
-    if frame.wide:
-        return key_dots_wide(heads, keys, frame, k_rows)
-    if frame.q8:
-        return key_dots_q8(heads, keys, frame, k_rows)
-    if not frame.half:
-        return score_dots(heads, keys, frame, frame.q_heads, k_rows)
-    hd4, kd, key_addr = key_addressing(frame, keys)
-    accs = zeroed(heads, keys)
-    qd, kp = gp(), gp()
-    MOV(qd, frame.q_heads)
-    MOV(kp, k_rows)
-    kp4 = None
-    if keys > 4:
-        kp4 = gp()
-        LEA(kp4, [kp + kd * 4])
-    chunks = gp()
-    MOV(chunks, frame.full_chunks)
-    with Loop() as full:
-        q = ymms(heads)
-        for h in range(heads):
-            VMOVUPS(q[h], row(qd, hd4, h))
-        for c in range(keys):
-            k = YMMRegister()
-            VCVTPH2PS(k, key_addr(kp, kp4, c))
-            for h in range(heads):
-                VFMADD231PS(accs[h][c], q[h], k)
-        ADD(qd, CHUNK)
-        ADD(kp, CHUNK // 2)
-        if kp4 is not None:
-            ADD(kp4, CHUNK // 2)
-        DEC(chunks)
-        JNZ(full.begin)
-    return accs
+    scale = frame.vec()
+    VBROADCASTSS(scale, frame.scale)
+    stride4 = gp()
+    MOV(stride4, frame.stride4)
+    for h in range(heads):
+        for v in range(halves):
+            a = accs[h][v]
+            while len(a) > 1:                        # (p0 + p1) + (p2 + p3)
+                for i in range(0, len(a), 2):
+                    VADDPS(a[i], a[i], a[i + 1])
+                a = a[0::2]
+            VMULPS(a[0], a[0], scale)
+            VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
 
 
 CACHE_LINE = 64
-PREFETCH_BLOCKS = 2                 # K rows asked for this many blocks ahead
+PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
 
 
 def prefetch_lines(address, bytes_slot):
@@ -389,7 +304,7 @@ def prefetch_lines(address, bytes_slot):
 
 def prefetch_blocks(frame, key):
     """Ask for what the kernel reads next while this block's scores are computed: the V rows
-    of the block holding ``key`` (pass 3 reads them soon) and the K rows of the next block of
+    of the block holding ``key`` (pass 3 reads them soon) and the K tile of a later block of
     the row, if any. The cache is too big for the caches close to the core, and its blocks
     sit anywhere, so the hardware prefetchers cannot guess the next block."""
     block, address = gp(), gp()
@@ -407,64 +322,38 @@ def prefetch_blocks(frame, key):
 
 
 def emit_scores(heads, frame):
-    """Score rows [head][key] = scale * q . k for the row's keys, run by run of its blocks."""
-    keys = SCORE_KEYS[heads]
-    t = gp()
-    MOV(t, frame.first)
-    MOV(frame.key, t)
-    MOV(t, frame.n_keys)
-    MOV(frame.keys_left, t)
-    out = gp()
-    MOV(out, frame.scores)
-    with Loop() as runs:
-        k_rows, run, key, keys_left = gp(), gp(), gp(), gp()
-        MOV(key, frame.key)
-        MOV(keys_left, frame.keys_left)
-        prefetch_blocks(frame, key)
-        block_row_address(frame, key, frame.k_head, k_rows)
-        run_length(key, keys_left, run)
-        ADD(key, run)
-        SUB(keys_left, run)
-        MOV(frame.key, key)
-        MOV(frame.keys_left, keys_left)
-
-        stride4 = gp()
-        MOV(stride4, frame.stride4)
-        tiles = Loop()
-        CMP(run, keys)
-        JB(tiles.end)
-        with tiles:
-            accs = key_dots(heads, keys, frame, k_rows)
-            scale = YMMRegister()
-            VBROADCASTSS(scale, frame.scale)
-            for h in range(heads):
-                s = reduce_to_scores(accs[h])
-                VMULPS(s, s, scale.as_xmm if keys == 4 else scale)
-                VMOVUPS(row(out, stride4, h), s)
-            step = gp()
-            MOV(step, frame.kd)
-            IMUL(step, step, keys)
-            ADD(k_rows, step)
-            ADD(out, keys * FLOAT)
-            SUB(run, keys)
-            CMP(run, keys)
-            JAE(tiles.begin)
-
-        singles = Loop()
-        TEST(run, run)
-        JZ(singles.end)
-        with singles:
-            accs = key_dots(heads, 1, frame, k_rows)
-            for h in range(heads):
-                s = reduce_to_scalar(accs[h][0])
-                VMULSS(s, s, frame.scale)
-                VMOVSS(row(out, stride4, h), s)
-            ADD(k_rows, frame.kd)
-            ADD(out, FLOAT)
-            DEC(run)
-            JNZ(singles.begin)
-        CMP(frame.keys_left, 0)
-        JNE(runs.begin)
+    """Score rows [head][key - first] = scale * q . k for the segment's keys, a whole block at
+    a time. A block's 16 scores are stored whole: the first block's lanes before ``first``
+    land in the SCORE_SLACK floats before the first row (and, for the other heads, in the
+    previous row's last floats, past any key of the segment); the last block's lanes past
+    the segment's last key stay inside its row (segments are block aligned). Only
+    [0, n_keys) is read afterwards."""
+    block, end, out, t = gp(), gp(), gp(), gp()
+    MOV(block, frame.first)
+    AND(block, -KV_BLOCK)
+    MOV(out, block)
+    SUB(out, frame.first)                            # 0 or -(first % KV_BLOCK)
+    SHL(out, 2)
+    ADD(out, frame.scores)
+    MOV(frame.key, block)
+    MOV(frame.offset, out)
+    with Loop() as blocks:
+        block, tile = gp(), gp()
+        MOV(block, frame.key)
+        prefetch_blocks(frame, block)
+        block_row_address(frame, block, frame.k_head, tile)
+        out = gp()
+        MOV(out, frame.offset)
+        tile_scores(heads, frame, tile, out)
+        ADD(frame.offset, KV_BLOCK * FLOAT)
+        block, end = gp(), gp()
+        MOV(block, frame.key)
+        ADD(block, KV_BLOCK)
+        MOV(frame.key, block)
+        MOV(end, frame.first)
+        ADD(end, frame.n_keys)
+        CMP(block, end)
+        JB(blocks.begin)
 
 
 # ---------------------------------------------------------------- pass 3: out = P V
@@ -1056,6 +945,7 @@ def emit_setup(frame, args):
                        ("dest", frame.out_row), ("scratch", frame.scores), ("positions", frame.positions),
                        ("row_seq", frame.row_seq), ("tables", frame.tables)):
         MOV(slot, load(name))
+    ADD(frame.scores, SCORE_SLACK * FLOAT)           # score rows after the slack (emit_scores)
     packed = load("rows")
     m, table_stride = gp(), gp()
     low_high(packed, m, table_stride)
@@ -1174,7 +1064,7 @@ def emit_attention_paged(isa, arena):
             SUB(frame.rows_left, 1)
             JNZ(rows.begin)
         RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}s{KV_SEGMENT}", args=signature)
+    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}", args=signature)
 
 
 def emit_attention_combine(isa):
@@ -1345,17 +1235,47 @@ def quantize_row(head_dim, src, dst):
         JNZ(loop.begin)
 
 
-def emit_kv_store_paged(isa, arena_type):
+MAX_KEY_ROW_BYTES = 2048            # a key row's stack copy: f16 head_dim <= 1024 (the binding checks)
+
+
+def scatter_key(head_dim, row, tile, element):
+    """Copy a key row (head_dim elements of ``element`` bytes at ``row``, as the value
+    layout holds it) into its lane of a key tile: element d to tile + d * KV_BLOCK * element
+    (``tile`` already points at the lane). A row per store: this is not a hot loop."""
+    move = {4: (dword, "as_dword"), 2: (word, "as_word"), 1: (byte, "as_low_byte")}[element]
+    count, src, dst, t = gp(), gp(), gp(), gp()
+    MOV(count, head_dim)
+    MOV(src, row)
+    MOV(dst, tile)
+    with Loop() as loop:
+        if element == 4:
+            MOV(t.as_dword, [src])
+        else:
+            MOVZX(t.as_dword, move[0][src])
+        MOV([dst], getattr(t, move[1]))
+        ADD(src, element)
+        ADD(dst, KV_BLOCK * element)
+        DEC(count)
+        JNZ(loop.begin)
+
+
+def emit_kv_store_paged(isa, arena_type, keys=False):
     """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
     block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
-    arena to the first head; src rows are n_kv heads long, an arena block n_kv heads deep."""
+    arena to the first head; src rows are n_kv heads long, an arena block n_kv heads deep.
+
+    ``keys``: the key layout (codegen/contract.py), each (block, head) a tile [head_dim]
+    [KV_BLOCK] (q8_0: the quants so, then [head_dim / 32][KV_BLOCK] scales): the row is
+    made as for values (the same rounding, the same quants), then put in lane p % KV_BLOCK."""
     signature = typed(STORE_SIGNATURE, arena_type, ("arena",))
-    fn, args = function(symbol("kv_store_paged", arena_type, "", isa), signature, isa)
+    fn, args = function(symbol("key_store_paged" if keys else "kv_store_paged", arena_type, "", isa),
+                        signature, isa)
     with fn:
         src, positions, row_seq, tables, arena, m, n_heads, head_dim, n_kv, table_stride = load_all(args)
         saved = SimpleNamespace(**{name: LocalVariable(8) for name in
                                    ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m",
-                                    "arena")})
+                                    "arena", "lane")})
+        saved.row = LocalVariable(MAX_KEY_ROW_BYTES, alignment=8) if keys and arena_type != "f32" else None
         MOV(saved.tables, tables)
         MOV(saved.arena, arena)
         MOV(saved.m, m)
@@ -1389,14 +1309,21 @@ def emit_kv_store_paged(isa, arena_type):
             MOV(dst.as_dword, [t + dst * INDEX])
             IMUL(dst, saved.block_stride)
             AND(position, KV_BLOCK - 1)
-            IMUL(position, kd)
+            if keys:                                  # the lane's first element
+                SHL(position, ARENA_BYTES[arena_type].bit_length() - 1)
+            else:                                     # the row
+                IMUL(position, kd)
             ADD(dst, position)
             ADD(dst, saved.arena)
+            if keys:
+                MOV(saved.lane, position)
             src_head, heads_left = gp(), gp()
             MOV(src_head, src)
             MOV(heads_left, saved.n_heads)
             with Loop() as heads:
-                if arena_type == "q8_0":
+                if keys:
+                    emit_key_row(arena_type, head_dim, src_head, dst, saved)
+                elif arena_type == "q8_0":
                     quantize_row(head_dim, src_head, dst)
                 elif arena_type == "f16":
                     convert_row(head_dim, src_head, dst)
@@ -1413,6 +1340,40 @@ def emit_kv_store_paged(isa, arena_type):
             JNZ(rows.begin)
         RETURN()
     return Kernel(fn, FAMILY, isa, tile="", args=signature)
+
+
+def emit_key_row(arena_type, head_dim, src, tile_lane, saved):
+    """One key row into its tile lane (``tile_lane`` = the tile + lane * element bytes)."""
+    if arena_type == "f32":
+        scatter_key(head_dim, src, tile_lane, 4)
+        return
+    row = gp()
+    LEA(row, saved.row)
+    if arena_type == "f16":
+        convert_row(head_dim, src, row)
+        scatter_key(head_dim, row, tile_lane, 2)
+        return
+    quantize_row(head_dim, src, row)
+    scatter_key(head_dim, row, tile_lane, 1)
+    # the scales: [head_dim / 32][KV_BLOCK] f32 after the tile's quants
+    count, scales, t = gp(), gp(), gp()
+    LEA(row, saved.row)
+    ADD(row, head_dim)
+    MOV(scales, head_dim)
+    SHL(scales, LOG2_KV_BLOCK)
+    ADD(scales, tile_lane)
+    SUB(scales, saved.lane)                          # the tile's first byte
+    MOV(t, saved.lane)
+    LEA(scales, [scales + t * FLOAT])
+    MOV(count, head_dim)
+    SHR(count, 5)
+    with Loop() as loop:
+        MOV(t.as_dword, [row])
+        MOV([scales], t.as_dword)
+        ADD(row, FLOAT)
+        ADD(scales, KV_BLOCK * FLOAT)
+        DEC(count)
+        JNZ(loop.begin)
 
 
 def emit_gather_rows(isa):
@@ -1443,5 +1404,6 @@ def emit(isa):
     if isa == "avx512":                              # attention only: the rest is the AVX2 kernels'
         return [emit_attention_paged(isa, arena) for arena in ARENA_BYTES]
     return ([emit_kv_store_paged(isa, arena) for arena in ARENA_BYTES]
+            + [emit_kv_store_paged(isa, arena, keys=True) for arena in ARENA_BYTES]
             + [emit_attention_paged(isa, arena) for arena in ARENA_BYTES] + [emit_attention_combine(isa),
                                                                               emit_gather_rows(isa)])

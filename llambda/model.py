@@ -336,7 +336,7 @@ class TransformerModel:
             be.rope(q_heads, positions, cos, sin, c.rope_style, q_heads)
             be.rope(k_heads, positions, cos, sin, c.rope_style, k_heads)
             k_arena, v_arena = self.kv.k[layer], self.kv.v[layer]
-            be.kv_store_paged(k_heads, positions, row_seq, tables, k_arena)
+            be.kv_store_paged(k_heads, positions, row_seq, tables, k_arena, keys=True)
             be.kv_store_paged(v_heads, positions, row_seq, tables, v_arena)
             be.attention_paged(q_heads, k_arena, v_arena, positions, row_seq, tables, c.att_scale,
                                att_heads, self.att_scratch, window=c.layer_window[layer])

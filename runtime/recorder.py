@@ -215,12 +215,12 @@ class PlanRecorder:
         self._add(calls, [x, positions, cos, sin], [out], OpInfo("rope", 3.0 * x.size, 16.0 * x.size))
 
     # -- the paged KV cache: indices read from memory when the plan runs, nothing to patch --
-    def kv_store_paged(self, src, positions, row_seq, tables, arena, heads=None):
+    def kv_store_paged(self, src, positions, row_seq, tables, arena, heads=None, keys=False):
         """Split by KV heads (each thread stores its heads of every row, rows in order)."""
         m, n_kv, hd = src.shape
         h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
         calls = self._split(h1 - h0, 1, lambda h: n_paged.kv_store_paged_call(
-            src, positions, row_seq, tables, arena, heads=(h0 + h[0], h0 + h[1])),
+            src, positions, row_seq, tables, arena, heads=(h0 + h[0], h0 + h[1]), keys=keys),
             min_size=64 if m < 8 else 0)
         self._add(calls, [src, positions, row_seq, tables], [arena],
                   OpInfo("kv_store", 0, 8.0 * m * (h1 - h0) * hd))

@@ -47,22 +47,33 @@ def test_decode_over_a_cached_prefix_equals_prefill(model):
         np.testing.assert_array_equal(model.evaluate(ids[:i]), full[i - 1], err_msg=f"position {i - 1}")
 
 
+# Where the reference's best leads its runner-up by more than this share of the logit spread,
+# llambda must choose it: int8 activation rounding moves llambda's logits by a fraction of a
+# logit, enough to flip a closer race (which of them flip then depends on any change in
+# summation order), never a decisive one.
+DECISIVE = 0.02
+
+
 def _check_greedy_ids(gguf, prompt_ids, ids):
     """Each id llambda chose greedily is the reference's argmax, or, where it is not, the
     reference itself rates it within the logit tolerance of its own best (a near-tie
-    that int8 activation rounding may flip). The reference follows llambda's ids, so one
-    near-tie does not derail the rest. Returns how many ids were exact matches."""
+    that int8 activation rounding may flip), and never where the reference's choice is
+    decisive. The reference follows llambda's ids, so one near-tie does not derail the rest.
+    Returns how many steps were decisive."""
     ref = ReferenceModel(gguf)
     logits = ref.prefill(prompt_ids)[-1]
-    exact = 0
-    for token in ids:
-        best = int(logits.argmax())
+    decisive = 0
+    for step, token in enumerate(ids):
+        best, runner_up = np.argsort(logits)[::-1][:2]
         spread = float(logits.max() - logits.min())
         assert token == best or logits[best] - logits[token] <= LOGIT_TOLERANCE * spread, \
             f"llambda chose {token}, the reference {best} by {logits[best] - logits[token]:.3f}"
-        exact += token == best
+        if logits[best] - logits[runner_up] > DECISIVE * spread:
+            assert token == best, (f"step {step}: llambda chose {token}, the reference's {best} leads by "
+                                   f"{logits[best] - logits[runner_up]:.3f} of a spread of {spread:.1f}")
+            decisive += 1
         logits = ref.step(token)
-    return exact
+    return decisive
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -74,8 +85,8 @@ def test_cli_json_greedy_ids_equal_reference(default_gguf, prompt):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["text"] and len(out["ids"]) <= n
-    exact = _check_greedy_ids(default_gguf, out["prompt_ids"], out["ids"])
-    assert exact >= len(out["ids"]) - 1
+    decisive = _check_greedy_ids(default_gguf, out["prompt_ids"], out["ids"])
+    assert decisive >= len(out["ids"]) // 2          # the check compared something
 
 
 def test_same_seed_same_text_different_seed_differs(model):

@@ -77,6 +77,12 @@ class Step:
         return arena
 
 
+def keyed(arena):
+    """A key arena (runtime/ref/paged.py key_tiles) holding what ``arena``'s rows hold."""
+    from llambda.runtime.ref.paged import key_tiles
+    return buffers.aligned_copy(key_tiles(arena))
+
+
 def first_key(position, window):
     return max(0, position - window + 1) if window else 0
 
@@ -169,7 +175,7 @@ def scratch_for(native, step):
 def test_attention_paged_matches_reference(native, ref, data):
     n_head, n_kv, head_dim, step = draw_step(data, window_too=True)
     q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
-    k_arena, v_arena = step.arena(keys), step.arena(values)
+    k_arena, v_arena = keyed(step.arena(keys)), step.arena(values)
     heads = draw_head_range(data, n_head)
     h0, h1 = heads if heads is not None else (0, n_head)
     check_step_indices(step.positions, step.row_seq, step.tables, len(q), k_arena.shape[0], window=step.window)
@@ -196,7 +202,7 @@ def test_a_row_depends_only_on_its_own_query_and_keys(native, data):
     the heads give the same bits as the whole step."""
     n_head, n_kv, head_dim, step = draw_step(data, window_too=True)
     q, keys, values, scale, _ = draw_values(data, n_head, n_kv, head_dim, step)
-    k_arena, v_arena = step.arena(keys), step.arena(values)
+    k_arena, v_arena = keyed(step.arena(keys)), step.arena(values)
     scratch = scratch_for(native, step)
     m = len(q)
 
@@ -232,8 +238,8 @@ def test_paged_window_sees_exactly_the_last_keys(backend, window, request):
     rows = [(0, 3), (1, 39), (0, 20), (1, 16), (0, 0), (1, 15)]
     step = Step(rng, 1, n, [25, n], rows)
     eye = np.eye(n, dtype=np.float32)[None]
-    k_arena = step.arena([rng.standard_normal((1, 25, n)).astype(np.float32),
-                          rng.standard_normal((1, n, n)).astype(np.float32)])
+    k_arena = keyed(step.arena([rng.standard_normal((1, 25, n)).astype(np.float32),
+                                rng.standard_normal((1, n, n)).astype(np.float32)]))
     v_arena = step.arena([eye[:, :25], eye])
     q = buffers.zeros((len(rows), 2, n))
     out = nan_buffer(q.shape)
@@ -253,7 +259,7 @@ def test_paged_huge_scores_do_not_overflow(native):
     v_values = np.arange(n * head_dim, dtype=np.float32).reshape(1, n, head_dim)
     step = Step(np.random.default_rng(2), 1, head_dim, [n], [(0, n - 1)])
     got = nan_buffer(q.shape)
-    native.attention_paged(q, step.arena([k_values]), step.arena([v_values]), step.positions, step.row_seq,
+    native.attention_paged(q, keyed(step.arena([k_values])), step.arena([v_values]), step.positions, step.row_seq,
                            step.tables, 1000.0, got, scratch_for(native, step))
     best = v_values[0, 6::7].mean(axis=0)
     np.testing.assert_allclose(got[0], np.stack([best, best]), rtol=1e-6)
@@ -280,6 +286,36 @@ def test_kv_store_paged_matches_reference(native, ref, data):
     ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, want, heads=heads)
     native.kv_store_paged(src, step.positions, step.row_seq, step.tables, got, heads=heads)
     np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_key_store_puts_each_row_in_its_tile_lane(native, ref, data):
+    """keys=True, every arena type: the bytes the value store would write for a row (same
+    rounding, same quants and scales), at the row's lane of its tile: the key arena read
+    back as rows (key_rows) is the value store's arena, NaN poison elsewhere untouched."""
+    from llambda.runtime.ref.paged import key_rows, key_tiles
+    _, n_kv, head_dim, step = draw_step(data)
+    arena_type = data.draw(st.sampled_from(["f32", "f16", "q8_0"]), label="arena type")
+    if arena_type != "f32":
+        head_dim = data.draw(st.sampled_from([32, 64, 96]), label="head_dim")
+        step.shape = step.shape[:3] + (head_dim,)
+    m = len(step.positions)
+    src = float_arrays(data.draw, (m, n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    rows = step.arena([np.zeros((n_kv, n, head_dim), np.float32) for n in step.lengths])
+    if arena_type == "f16":
+        rows = as_f16(rows)
+    elif arena_type == "q8_0":
+        rows = as_q8(rows)
+    args = (src, step.positions, step.row_seq, step.tables)
+    want_rows = buffers.aligned_copy(rows)
+    native.kv_store_paged(*args, want_rows, heads=heads)
+    got, want = buffers.aligned_copy(key_tiles(rows, head_dim)), key_tiles(rows, head_dim)
+    native.kv_store_paged(*args, got, heads=heads, keys=True)
+    ref.kv_store_paged(*args, want, heads=heads, keys=True)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(key_rows(got, head_dim).view(np.uint8), want_rows.view(np.uint8))
 
 
 # ---------------------------------------------------------------- gather_rows
@@ -390,8 +426,8 @@ def test_attention_paged_rejects_bad_arguments(native):
         (dict(scale=float("nan")), "scale: expected a finite number"),
         (dict(scale=1e39), "scale: 1e\\+39 overflows float32"),
         (dict(scratch=native.paged_attention_scratch(max_blocks * KV_BLOCK, head_dim=8)),
-         "scratch: 864 floats, need 912 for rows seeing up to 48 keys"),
-        (dict(scratch=buffers.zeros(800), window=17), "scratch: 800 floats, need 912 for rows seeing up to 17"),
+         "scratch: 880 floats, need 928 for rows seeing up to 48 keys"),
+        (dict(scratch=buffers.zeros(800), window=17), "scratch: 800 floats, need 928 for rows seeing up to 17"),
         (dict(scratch=buffers.zeros((3, 48))), "scratch: expected 1 dimensions"),
         (dict(heads=(2, 2)), "heads: expected 0 <= h0 < h1 <= n_head=4"),
         (dict(heads=3), "heads: expected a pair"),
@@ -490,7 +526,7 @@ def test_recorded_paged_step_follows_the_indices_in_memory(native, window):
     out, picked = nan_buffer(q.shape), nan_buffer((2, n_head * head_dim))
 
     recorder = PlanRecorder(2, max_blocks * KV_BLOCK, get_backend("avx2"))
-    recorder.kv_store_paged(k_new, positions, row_seq, tables, k_arena)
+    recorder.kv_store_paged(k_new, positions, row_seq, tables, k_arena, keys=True)
     recorder.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.125, out, None, window=window)
     recorder.gather_rows(out.reshape(m, -1), rows, picked)
     recorder.finish()
@@ -504,7 +540,7 @@ def test_recorded_paged_step_follows_the_indices_in_memory(native, window):
             row_seq[...] = rng.integers(0, 3, m)
             check_step_indices(positions, row_seq, tables, m, n_blocks)
             want_arena, want, want_picked = buffers.aligned_copy(k_arena), nan_buffer(q.shape), nan_buffer(picked.shape)
-            native.kv_store_paged(k_new, positions, row_seq, tables, want_arena)
+            native.kv_store_paged(k_new, positions, row_seq, tables, want_arena, keys=True)
             native.attention_paged(q, want_arena, v_arena, positions, row_seq, tables, 0.125, want,
                                    native.paged_attention_scratch(max_blocks * KV_BLOCK), window=window)
             native.gather_rows(want.reshape(m, -1), rows, want_picked)
@@ -533,7 +569,7 @@ def test_f16_arena_is_the_f32_kernel_on_rounded_values(native, ref, data):
     q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
     keys = [k.astype(np.float16).astype(np.float32) for k in keys]
     values = [np.clip(v, -6e4, 6e4).astype(np.float16).astype(np.float32) for v in values]
-    k32, v32 = step.arena(keys), step.arena(values)
+    k32, v32 = keyed(step.arena(keys)), step.arena(values)
     k16, v16 = as_f16(k32), as_f16(v32)
     scratch = scratch_for(native, step)
     got16, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
@@ -601,7 +637,7 @@ def test_f16_arena_long_context_tolerance(native, ref):
     keys, SmolLM2's shape: storage rounds each element by <= 2^-11 relative, so a score moves
     by <= 2^-11 scale sum|q k| and out by <= 2 that max|v| + 2^-11 max|v| (+ the f32 bound)."""
     n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(6)
-    k32, v32 = step.arena(keys), step.arena(values)
+    k32, v32 = keyed(step.arena(keys)), step.arena(values)
     k16, v16 = as_f16(k32), as_f16(v32)
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
     native.attention_paged(q, k16, v16, step.positions, step.row_seq, step.tables, scale, got,
@@ -675,9 +711,9 @@ def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
     scratch = scratch_for(native, step)
     got8, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
     args = (step.positions, step.row_seq, step.tables, scale)
-    native.attention_paged(q, k8, v8, *args, got8, scratch, window=step.window)
-    native.attention_paged(q, k32, v32, *args, got32, scratch, window=step.window)
-    ref.attention_paged(q, k8, v8, *args, want, None, window=step.window)
+    native.attention_paged(q, keyed(k8), v8, *args, got8, scratch, window=step.window)
+    native.attention_paged(q, keyed(k32), v32, *args, got32, scratch, window=step.window)
+    ref.attention_paged(q, keyed(k8), v8, *args, want, None, window=step.window)
     np.testing.assert_array_equal(got8, got32)
     seen_keys = [k32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                  for s, n in enumerate(step.lengths)]
@@ -724,9 +760,9 @@ def test_q8_arena_long_context_tolerance(native, ref):
     n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(10)
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
-    native.attention_paged(q, k8, v8, step.positions, step.row_seq, step.tables, scale, got,
+    native.attention_paged(q, keyed(k8), v8, step.positions, step.row_seq, step.tables, scale, got,
                            scratch_for(native, step))
-    ref.attention_paged(q, step.arena(keys), step.arena(values), step.positions, step.row_seq, step.tables, scale,
+    ref.attention_paged(q, keyed(step.arena(keys)), step.arena(values), step.positions, step.row_seq, step.tables, scale,
                         want, None)
     k_step = quantize_kv_q8(keys[0])[..., head_dim:].copy().view(np.float32)      # d per block [n_kv, length, 2]
     v_step = quantize_kv_q8(values[0])[..., head_dim:].copy().view(np.float32)
@@ -811,7 +847,8 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     n_head, n_kv, head_dim, step = draw_long_step(data, arena_type)
     q, keys, values, scale, exact = draw_values(data, n_head, n_kv, head_dim, step)
     exact = exact and arena_type != "q8_0"             # dequantized small integers are not integers
-    k_arena, k_seen = stored(step.arena(keys), arena_type, head_dim)
+    k_arena, k_rows = stored(step.arena(keys), arena_type, head_dim)
+    k_arena, k_seen = keyed(k_arena), keyed(k_rows)
     v_arena, v_seen = stored(step.arena(values), arena_type, head_dim)
     scratch = scratch_for(native, step)
     m = len(q)
@@ -823,7 +860,7 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     want = np.full(q.shape, np.nan)
     ref.attention_paged(q, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
                         None, window=step.window)
-    seen_keys = [k_seen[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
+    seen_keys = [k_rows[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                  for s, n in enumerate(step.lengths)]
     seen_values = [v_seen[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                    for s, n in enumerate(step.lengths)]

@@ -52,6 +52,10 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
                  np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
                  np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
+# Keys are stored in the key layout (codegen/contract.py KEY_TILE): each (block, KV head) a
+# tile [head_dim][KV_BLOCK], the same bytes as KV_BLOCK rows; values stay rows.
+KEY_STORE_SYMBOLS = {dtype: name.replace("kv_store", "key_store") for dtype, name in STORE_SYMBOLS.items()}
+MAX_KEY_HEAD_DIM = 1024             # f16 / q8_0: the key store's stack copy of a row (codegen/paged.py)
 ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
                      np.dtype(np.float16): "llb_attention_paged_f16__avx2",
                      np.dtype(np.uint8): "llb_attention_paged_q8_0__avx2"}
@@ -100,6 +104,7 @@ COMBINE_SYMBOL = "llb_attention_combine_f32__avx2"
 # together, each with one score row of KV_SEGMENT floats; after them, for whole rows, the
 # partial records [segment][MAX_HEADS] of the segments one row's keys can span.
 MAX_HEADS = 3
+SCORE_SLACK = KV_BLOCK              # floats before the score rows (a first block's early lanes)
 LANES = 16
 MAX_HEAD_DIM = 256                  # the scratch's default: any head_dim up to this
 MAX_EXACT_WINDOW = 2 ** 24          # the window travels as a float32
@@ -120,14 +125,14 @@ def _check_tile():
                                              f"expects {TILE}: codegen and runtime disagree")
 
 
-TILE = f"h{MAX_HEADS}s{KV_SEGMENT}"
+TILE = f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}"    # k: key tiles, and SCORE_SLACK floats before the score rows
 
 
 def scratch_floats(max_keys, head_dim=MAX_HEAD_DIM):
     """Score rows, then the partial records of the segments a row of max_keys keys can span
     (a window's keys start anywhere in a segment: one more)."""
     spans = kv_segments(max_keys) + 1
-    return MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(head_dim)
+    return SCORE_SLACK + MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(head_dim)
 
 
 def paged_attention_scratch(max_keys, head_dim=MAX_HEAD_DIM):
@@ -187,17 +192,19 @@ def _non_negative_int(name, value):
 
 # ---------------------------------------------------------------- kv_store_paged
 
-def kv_store_paged(src, positions, row_seq, tables, arena, heads=None):
+def kv_store_paged(src, positions, row_seq, tables, arena, heads=None, keys=False):
     """arena[block, h, p % KV_BLOCK, :] = src[i, h, :], p = positions[i],
     block = tables[row_seq[i], p // KV_BLOCK], rows in order (the later wins a shared slot),
     KV heads h in heads=(h0, h1) (default all). src f32 [m, n_kv, head_dim]; positions,
     row_seq int32 [m]; tables int32 [n_tables, max_blocks]; arena [n_blocks, n_kv, KV_BLOCK,
-    head_dim]. Index contents are the caller's to keep in range (module docstring)."""
-    symbol, args = kv_store_paged_call(src, positions, row_seq, tables, arena, heads)
+    head_dim]. keys=True: a key arena, each (block, head) a tile [head_dim][KV_BLOCK] of the
+    same bytes (runtime/ref/paged.py ``key_tiles``). Index contents are the caller's to keep
+    in range (module docstring)."""
+    symbol, args = kv_store_paged_call(src, positions, row_seq, tables, arena, heads, keys)
     kernel(symbol)(*args)
 
 
-def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
+def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None, keys=False):
     src_at = checked_address("src", src, F32, ndim=3)
     m, n_kv, head_dim = src.shape
     positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
@@ -207,7 +214,13 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None):
         if np.may_share_memory(array, arena):
             raise ValueError(f"arena: overlaps {name}, which the kernel reads while writing the arena")
     h0, h1 = index_range("heads", heads, n_kv, labels=("h0", "h1"), limit=f"n_kv={n_kv}")
-    return STORE_SYMBOLS[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
+    if not isinstance(keys, bool):
+        raise ValueError(f"keys: expected True or False, got {keys!r}")
+    if keys and dtype != F32 and head_dim > MAX_KEY_HEAD_DIM:
+        raise ValueError(f"src: head_dim {head_dim} is above {MAX_KEY_HEAD_DIM}, the most a "
+                         f"{ARENA_NAMES[dtype]} key arena stores (the key store's stack copy of a row)")
+    symbols = KEY_STORE_SYMBOLS if keys else STORE_SYMBOLS
+    return symbols[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
                                   arena_at + arena.strides[1] * h0,
                                   m, h1 - h0, head_dim, n_kv, tables.shape[1]]
 

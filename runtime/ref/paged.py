@@ -17,9 +17,11 @@ import numpy as np
 from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_segments
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
-# quantize_kv_q8 / dequantize_kv_q8 are module functions (not ops): the layout's definition.
+# quantize_kv_q8 / dequantize_kv_q8 / key_tiles / key_rows are module functions (not ops): the
+# layouts' definition.
 
 MAX_HEADS = 3          # query heads sharing a KV head done together (the kernel's tile)
+SCORE_SLACK = KV_BLOCK # floats before the kernel's score rows
 LANES = 16
 
 
@@ -31,7 +33,7 @@ def paged_attention_scratch(max_keys, head_dim=256):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     spans = kv_segments(int(max_keys)) + 1
-    return np.zeros(MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(int(head_dim)), np.float32)
+    return np.zeros(SCORE_SLACK + MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(int(head_dim)), np.float32)
 
 
 def quantize_kv_q8(x):
@@ -61,13 +63,45 @@ def _slot(tables, row_seq, positions, i):
     return int(tables[int(row_seq[i]), p // KV_BLOCK]), p % KV_BLOCK
 
 
-def kv_store_paged(src, positions, row_seq, tables, arena, heads=None):
+def key_tiles(arena, head_dim=None):
+    """A key arena from an arena of rows (same shape, dtype and bytes per (block, head)):
+    each (block, KV head) becomes a tile [head_dim][KV_BLOCK], key j of the block in lane j;
+    for q8_0 the quants so, then the scales as [head_dim / 32][KV_BLOCK] f32. The scores
+    kernel then has the block's keys in the lanes of a vector (codegen/paged.py)."""
+    nb, n_kv, block, row = arena.shape
+    if arena.dtype != np.uint8:
+        return np.ascontiguousarray(arena.transpose(0, 1, 3, 2)).reshape(arena.shape)
+    head_dim = head_dim or row * 8 // 9             # q8_0 rows: head_dim quants + head_dim / 8 scale bytes
+    quants = np.ascontiguousarray(arena[..., :head_dim].transpose(0, 1, 3, 2)).reshape(nb, n_kv, -1)
+    scales = np.ascontiguousarray(np.ascontiguousarray(arena[..., head_dim:]).view(np.float32)
+                                  .transpose(0, 1, 3, 2)).view(np.uint8).reshape(nb, n_kv, -1)
+    return np.concatenate([quants, scales], axis=-1).reshape(arena.shape)
+
+
+def key_rows(arena, head_dim):
+    """The arena of rows a key arena holds (``key_tiles`` undone)."""
+    nb, n_kv, block, row = arena.shape
+    if arena.dtype != np.uint8:
+        return np.ascontiguousarray(arena.reshape(nb, n_kv, row, block).transpose(0, 1, 3, 2))
+    flat = np.ascontiguousarray(arena).reshape(nb, n_kv, -1)
+    quants = flat[..., :head_dim * block].reshape(nb, n_kv, head_dim, block).transpose(0, 1, 3, 2)
+    scales = (np.ascontiguousarray(flat[..., head_dim * block:]).view(np.float32)
+              .reshape(nb, n_kv, -1, block).transpose(0, 1, 3, 2))
+    return np.concatenate([quants, np.ascontiguousarray(scales).view(np.uint8)], axis=-1)
+
+
+def kv_store_paged(src, positions, row_seq, tables, arena, heads=None, keys=False):
     """arena[block, h, p % KV_BLOCK, :] = src[i, h, :] with p = positions[i] and
     block = tables[row_seq[i], p // KV_BLOCK], for rows i in order (the later wins a shared
-    slot) and KV heads h in heads=(h0, h1), default all.
+    slot) and KV heads h in heads=(h0, h1), default all; keys=True: a key arena (``key_tiles``).
 
     src f32 [m, n_kv, head_dim]; positions, row_seq int32 [m]; tables int32 [n_tables, max_blocks];
     arena f32 or f16 [n_blocks, n_kv, KV_BLOCK, head_dim]."""
+    if keys:
+        rows = key_rows(arena, src.shape[-1])
+        kv_store_paged(src, positions, row_seq, tables, rows, heads)
+        arena[...] = key_tiles(rows, src.shape[-1])
+        return
     h0, h1 = heads if heads is not None else (0, src.shape[1])
     for i in range(src.shape[0]):
         block, row = _slot(tables, row_seq, positions, i)
@@ -83,10 +117,12 @@ def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
     position p = positions[i] sees in its sequence (tables[row_seq[i]]): j <= p, and
     p - j < window when window > 0; kv = h // (n_head // n_kv_head). In float64, from the math.
 
-    q, out f32 [m, n_head, head_dim]; arenas as in ``kv_store_paged``; heads=(h0, h1) computes
+    q, out f32 [m, n_head, head_dim]; arenas as in ``kv_store_paged``, k_arena a key arena
+    (``key_tiles``); heads=(h0, h1) computes
     only those query heads; scratch (from ``paged_attention_scratch``) is unused here."""
     m, n_head, _ = q.shape
     group = n_head // k_arena.shape[1]
+    k_arena = key_rows(k_arena, q.shape[-1])
     h0, h1 = heads if heads is not None else (0, n_head)
     for i in range(m):
         p, seq = int(positions[i]), int(row_seq[i])

@@ -9,9 +9,11 @@ are contiguous, so keys come in runs of up to KV_BLOCK contiguous rows.
 
 ``attention_paged`` cuts each row's keys into segments of KV_SEGMENT keys aligned to the
 absolute key index (codegen/contract.py) and runs three passes per segment and tile of up
-to MAX_HEADS heads sharing a KV head: scores in heads x keys register tiles into a score
-row of KV_SEGMENT floats (L1-resident), the segment's max, e_j = exp(s_j - max) and their
-sum, then sum_j e_j v_j in key blocks of KEY_BLOCK keys counted from the segment's first
+to MAX_HEADS heads sharing a KV head: scores a block at a time from the block's key tile
+(K is stored [head_dim][KV_BLOCK] per block and KV head: the block's keys sit in vector
+lanes, q's elements are broadcast, no horizontal sums) into a score row of KV_SEGMENT
+floats (L1-resident), the segment's max, e_j = exp(s_j - max) and their sum, then
+sum_j e_j v_j over V rows in key blocks of KEY_BLOCK keys counted from the segment's first
 key. Each (row, head, segment) leaves a partial record (unnormalised output, max, sum);
 the combine (``emit_combine``) merges a row's records in segment order:
 out = sum_s w_s o_s / sum_s w_s l_s, w_s = exp(max_s - max). Every sum runs in an order
@@ -24,19 +26,20 @@ of each row, the records in the caller's scratch and combined into ``dest`` = ou
 once; step > 0, the segments s = seg0 (mod step) only, the records written to ``dest`` =
 partials [m, n_segments, n_head, rec] for ``attention_combine`` (runtime/recorder.py
 splits a decode step's keys between threads this way). While a block's scores are
-computed the kernel prefetches that block's V rows and the K rows PREFETCH_BLOCKS blocks
-on: a long cache does not fit the caches near the core and its blocks sit anywhere.
+computed the kernel prefetches that block's V rows and the K tile PREFETCH_BLOCKS blocks
+on, a few lines per step of the dimension loop: a long cache does not fit the caches near
+the core and its blocks sit anywhere.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
-q8_0 dequantized and f16 converted as they load), each score accumulator folded to a ymm
-before the same reductions; its bits differ from avx2's, so the binding picks the variant
-per machine and head_dim, never per m. The window is one code path: the row sees the last
+q8_0 dequantized and f16 converted as they load) and sums each score in KEY_PARTIALS[True]
+partials (avx2: KEY_PARTIALS[False]); its bits differ from avx2's, so the binding picks the
+variant per machine and head_dim, never per m. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
-The scratch holds MAX_HEADS score rows of KV_SEGMENT floats, then (whole rows) the partial
-records [segment][MAX_HEADS] of the segments one row spans (``paged_attention_scratch``
-sizes it). The block table, positions and row_seq are trusted: the binding checks
+The scratch holds SCORE_SLACK floats, MAX_HEADS score rows of KV_SEGMENT floats, then
+(whole rows) the partial records [segment][MAX_HEADS] of the segments one row spans
+(``paged_attention_scratch`` sizes it). The block table, positions and row_seq are trusted: the binding checks
 everything else, the caller (llambda/kv_pool.py) keeps those in range.
 
 A plan record holds 13 integer arguments; the attention kernel needs 18 values, so pairs
@@ -46,11 +49,11 @@ table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32
 """
 from types import SimpleNamespace
 
-from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, VEXTRACTF64X4, LOAD, Loop, Block,
+from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
-                            VFMADD231PS, VADDPS, VMULPS, VMULSS, VCVTPH2PS, VCVTPS2PH,
+                            VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
 from peachpy import Constant
@@ -59,7 +62,7 @@ from peachpy.x86_64 import byte, word, dword
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_BLOCK,
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
-from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA
+from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA, kv_q8_row_bytes
 from .vmath import exp_ps
 
 FAMILY = "paged"
@@ -202,6 +205,20 @@ def key_vector(frame, out, at, scale=None):
         VMOVUPS(out, at)
 
 
+CACHE_LINE = 64
+PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
+
+
+def prefetch_share(frame, lines):
+    """PREFETCHT1 ``lines`` lines at each pointer of frame.prefetch (then advanced): a share
+    of the next tiles spread over the dimension loop, so the requests trickle out between the
+    FMAs instead of stalling the core in a burst when the fill buffers run out."""
+    for pointer in frame.prefetch:
+        for i in range(lines):
+            PREFETCHT1([pointer + i * CACHE_LINE])
+        ADD(pointer, lines * CACHE_LINE)
+
+
 def tile_scores(heads, frame, tile, out):
     """Scores of the KV_BLOCK keys of one block for up to MAX_HEADS heads:
     out[h][j] = scale * q[h] . k_j, from a key tile [head_dim][KV_BLOCK] (codegen/contract.py).
@@ -245,6 +262,7 @@ def tile_scores(heads, frame, tile, out):
         MOV(count, frame.head_dim)
         SHR(count, 5)
         with Loop() as blocks:
+            prefetch_share(frame, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
             dims(KV_Q8_BLOCK, scales)
             ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
             ADD(qd, KV_Q8_BLOCK * FLOAT)
@@ -257,6 +275,7 @@ def tile_scores(heads, frame, tile, out):
         groups = Loop()
         JZ(groups.end)                               # f32 head_dim 1
         with groups:
+            prefetch_share(frame, max(1, KV_BLOCK * e * partials // CACHE_LINE))
             dims(partials)
             ADD(kp, partials * KV_BLOCK * e)
             ADD(qd, partials * FLOAT)
@@ -284,41 +303,19 @@ def tile_scores(heads, frame, tile, out):
             VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
 
 
-CACHE_LINE = 64
-PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
-
-
-def prefetch_lines(address, bytes_slot):
-    """PREFETCHT1 (to L2: the L1 holds the segment's working set) every line of bytes_slot bytes
-    from ``address`` (consumed)."""
-    lines = gp()
-    MOV(lines, bytes_slot)
-    ADD(lines, CACHE_LINE - 1)
-    SHR(lines, 6)
-    with Loop() as loop:
-        PREFETCHT1([address])
-        ADD(address, CACHE_LINE)
-        DEC(lines)
-        JNZ(loop.begin)
-
-
-def prefetch_blocks(frame, key):
-    """Ask for what the kernel reads next while this block's scores are computed: the V rows
-    of the block holding ``key`` (pass 3 reads them soon) and the K tile of a later block of
-    the row, if any. The cache is too big for the caches close to the core, and its blocks
-    sit anywhere, so the hardware prefetchers cannot guess the next block."""
-    block, address = gp(), gp()
+def prefetch_targets(frame, key):
+    """(V tile of key's block, K tile PREFETCH_BLOCKS blocks on, or this block's when the row
+    ends sooner): what tile_scores asks for while it computes this block's scores."""
+    block, v_tile, k_tile = gp(), gp(), gp()
     MOV(block, key)
     AND(block, -KV_BLOCK)
-    block_row_address(frame, block, frame.v_head, address)
-    prefetch_lines(address, frame.kv_stride)
+    block_row_address(frame, block, frame.v_head, v_tile)
     ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
-    later = Block()
-    with later:
-        CMP(block, frame.row_last)
-        JA(later.end)
-        block_row_address(frame, block, frame.k_head, address)
-        prefetch_lines(address, frame.kv_stride)
+    CMP(block, frame.row_last)
+    CMOVA(block, key)
+    AND(block, -KV_BLOCK)
+    block_row_address(frame, block, frame.k_head, k_tile)
+    return (v_tile, k_tile)
 
 
 def emit_scores(heads, frame):
@@ -340,7 +337,7 @@ def emit_scores(heads, frame):
     with Loop() as blocks:
         block, tile = gp(), gp()
         MOV(block, frame.key)
-        prefetch_blocks(frame, block)
+        frame.prefetch = prefetch_targets(frame, block)
         block_row_address(frame, block, frame.k_head, tile)
         out = gp()
         MOV(out, frame.offset)

@@ -223,7 +223,7 @@ class PlanRecorder:
             src, positions, row_seq, tables, arena, heads=(h0 + h[0], h0 + h[1]), keys=keys),
             min_size=64 if m < 8 else 0)
         self._add(calls, [src, positions, row_seq, tables], [arena],
-                  OpInfo("kv_store", 0, 8.0 * m * (h1 - h0) * hd))
+                  OpInfo("key_store" if keys else "kv_store", 0, 8.0 * m * (h1 - h0) * hd))
 
     def attention_paged(self, q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
                         heads=None, window=0):

@@ -52,13 +52,20 @@ def int8_peak_gops(isa="avx2"):
     return _best_rate(lambda: f(iters), iters * ops) / 1e9
 
 
+def stream_buffers(threads, nbytes):
+    """One buffer of nbytes per thread, every page written: a page of fresh zeros that was
+    never written is the kernel's one shared zero page, and reading it streams no memory
+    at all (buffers.zeros maps such pages)."""
+    return [buffers.full(nbytes // 4, 1.0) for _ in range(threads)]
+
+
 def read_bandwidth_gbs(threads=1, nbytes=256 << 20, reps=3):
     """Aggregate read bandwidth of ``threads`` threads, each streaming its own buffer
     (far larger than the caches)."""
     lib = load()
     f = lib.fn("llb_probe_read__avx2")
     per = (nbytes // threads) & ~127
-    bufs = [buffers.zeros(per // 4, np.float32) for _ in range(threads)]
+    bufs = stream_buffers(threads, per)
 
     def run():
         workers = [threading.Thread(target=f, args=(b.ctypes.data, per, reps)) for b in bufs]

@@ -377,10 +377,25 @@ def store(key, plan, ops, named, scratch):
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic.create(path) as f:
             f.write(encode(key, header, payload))
-    except OSError:
+    except OSError as e:
+        report_unwritable(path.parent, e)
         return False
     _prune(path.parent)
     return True
+
+
+_reported = set()
+
+
+def report_unwritable(directory, error):
+    """Say once per directory that plans cannot be kept there, and how to choose another:
+    nothing fails, but every load then records its plans again."""
+    if str(directory) in _reported:
+        return
+    _reported.add(str(directory))
+    import warnings
+    warnings.warn(f"llambda: cannot keep recorded plans in {directory} ({error.strerror or error}); every "
+                  f"load records them again. Set ${DIR_ENV} to a writable directory.", RuntimeWarning, stacklevel=3)
 
 
 def store_async(key, plan, ops, named, scratch):

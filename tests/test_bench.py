@@ -96,3 +96,11 @@ def test_llamacpp_runs_with_flash_attention(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
     bench._measure_llamacpp(tmp_path / "m.gguf", 2, 256, (4,), 2, time.time())
     assert made["flash_attn"] is True and made["n_threads"] == 2
+
+
+def test_the_bandwidth_probe_reads_memory_not_the_zero_page():
+    """Its buffers are written before they are read: untouched fresh zeros are all the one
+    zero page, which the probe would read from L1 at any size (a ceiling far above memory)."""
+    from llambda.runtime import ceilings
+    for buf in ceilings.stream_buffers(2, 1 << 20):
+        assert buf.nbytes >= (1 << 20) - 4 and (buf == 1.0).all()

@@ -371,11 +371,12 @@ def test_paged_ops_touch_nothing_past_their_arrays(native, ref, head_dim, window
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
     src = before_a_guard_page(rng.standard_normal((m, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(k_arena.shape, np.float32), keep)
-    expected = np.zeros(k_arena.shape, np.float32)
-    ref.kv_store_paged(src, positions, row_seq, tables, expected)
-    native.kv_store_paged(src, *guarded, arena)
-    np.testing.assert_array_equal(arena, expected)
+    for keys in (False, True):
+        arena = before_a_guard_page(np.zeros(k_arena.shape, np.float32), keep)
+        expected = np.zeros(k_arena.shape, np.float32)
+        ref.kv_store_paged(src, positions, row_seq, tables, expected, keys=keys)
+        native.kv_store_paged(src, *guarded, arena, keys=keys)
+        np.testing.assert_array_equal(arena, expected)
 
     flat = q.reshape(m, -1)
     rows = before_a_guard_page(i32([m - 1, 0]), keep)
@@ -661,7 +662,8 @@ def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encod
     tables = i32(rng.permutation(n_blocks)[None])
     positions, row_seq = i32([n_blocks * KV_BLOCK - 1, 5]), i32([0, 0])
     shape = (n_blocks, n_kv, KV_BLOCK, head_dim)
-    k = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
+    from llambda.runtime.ref.paged import key_tiles
+    k = before_a_guard_page(key_tiles(encode(rng.standard_normal(shape).astype(np.float32))), keep)
     v = before_a_guard_page(encode(rng.standard_normal(shape).astype(np.float32)), keep)
     q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
     out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
@@ -669,13 +671,15 @@ def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encod
     ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None)
     native.attention_paged(q, k, v, positions, row_seq, tables, 0.125, out,
                            native.paged_attention_scratch(n_blocks * KV_BLOCK))
+    assert np.isfinite(want).all()
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     src = before_a_guard_page(rng.standard_normal((2, n_kv, head_dim)).astype(np.float32), keep)
-    arena = before_a_guard_page(np.zeros(k.shape, k.dtype), keep)
-    expected = np.zeros(k.shape, k.dtype)
-    ref.kv_store_paged(src, positions, row_seq, tables, expected)
-    native.kv_store_paged(src, positions, row_seq, tables, arena)
-    np.testing.assert_array_equal(arena, expected)
+    for keys in (False, True):
+        arena = before_a_guard_page(np.zeros(k.shape, k.dtype), keep)
+        expected = np.zeros(k.shape, k.dtype)
+        ref.kv_store_paged(src, positions, row_seq, tables, expected, keys=keys)
+        native.kv_store_paged(src, positions, row_seq, tables, arena, keys=keys)
+        np.testing.assert_array_equal(arena, expected)
 
 
 def test_f16_ops_touch_nothing_past_their_arrays(native, ref):

@@ -296,3 +296,25 @@ def test_split_attention_plans_are_kept_with_their_partials(long_model_file, cac
         kept, kinds, _ = decode(model)
         assert set(kinds.values()) == {KeptPlan}
     assert kept == recorded
+
+
+def test_an_unwritable_plan_directory_is_named_once(model_file, cache, monkeypatch, tmp_path):
+    """A plan that cannot be kept is not kept (the model records it at each load instead),
+    and a warning names the directory and the variable that chooses another, once."""
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv(plan_cache.DIR_ENV, str(blocked / "plans"))
+    monkeypatch.setattr(plan_cache, "_reported", set())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # the model's own (threaded) attempts
+        with load(model_file) as model:
+            model.logits([1, 2, 3])
+            rec = model.net._plans[(1, 1)]
+            named, scratch = model.net._plan_buffers(), rec.scratch_buffers()
+    monkeypatch.setattr(plan_cache, "_reported", set())
+    with pytest.warns(RuntimeWarning, match=r"cannot keep recorded plans in .*a file/plans.*LLAMBDA_PLAN_DIR"):
+        assert not plan_cache.store("some key", rec.plan, rec.ops, named, scratch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not plan_cache.store("another key", rec.plan, rec.ops, named, scratch)

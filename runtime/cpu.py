@@ -30,6 +30,19 @@ def _proc_cpuinfo_flags():
     return frozenset()
 
 
+@functools.lru_cache(maxsize=None)
+def vendor():
+    """The CPU's vendor string as /proc/cpuinfo gives it ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def missing_flags(isa):
     """The CPU flags ``isa`` needs that this CPU lacks (empty when it can run it)."""
     return [f for f in REQUIRED[isa] if f not in cpu_flags()]

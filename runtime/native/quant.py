@@ -7,7 +7,7 @@
 qgemm has an AVX2 kernel (the baseline) and an AVX-512 one (AVX512BW +
 AVX512_VNNI) on the same weight layout. The widest one the CPU runs is used
 (for m >= AVX512_MIN_ROWS activation rows; decode stays on AVX2, except for the
-AVX512_DECODE_KINDS);
+AVX512_DECODE_KINDS, and for q4_1 / q8_0 on AVX512_SINGLE_ROW_VENDORS' CPUs);
 ``LLAMBDA_ISA=avx2`` caps it at the baseline (for ISA-fair comparisons), and
 ``isa=`` asks for one variant explicitly (tests compare them).
 """
@@ -38,6 +38,12 @@ AVX512_MIN_ROWS = 4
 # row count (codegen/qgemm.py KIND_TILINGS): from m = 3 on they stream as fast or faster
 # (one pass of 3 rows where AVX2 runs a 3-row tile too); at m = 2 AVX2 stays ahead.
 AVX512_MIN_ROWS_BY_KIND = {"q4_1": 3, "q8_0": 3}
+# ... and from one row (decode) on CPUs of these vendors, which run 512-bit operations at full
+# width. In the model, at 2 threads on the Intel Xeon host (README, 2026-12-01), the AVX-512
+# tiles decode SmolLM2's Q4_1 GEMMs about 9% and its Q8_0 LM head about 27% faster than
+# AVX2. On the AMD Zen 4 host, which splits 512-bit operations in two, AVX2 was ahead at
+# m = 1 (the measurement above).
+AVX512_SINGLE_ROW_VENDORS = ("GenuineIntel",)
 # ... except for kinds whose AVX2 GEMV is bound by its unpacking work rather than by memory:
 # their AVX-512 tiles (half the instructions per byte, ternary logic to merge the fifth bit,
 # each block's scales formed once for 16 columns) prefetch all their streams and are not.
@@ -145,6 +151,8 @@ def _qgemm_isa(isa, m, kind=None):
     if isa is None:
         widest = widest_qgemm_isa(kind)
         few_rows = m < AVX512_MIN_ROWS_BY_KIND.get(kind, AVX512_MIN_ROWS) and kind not in AVX512_DECODE_KINDS
+        if m == 1 and kind in AVX512_MIN_ROWS_BY_KIND and cpu.vendor() in AVX512_SINGLE_ROW_VENDORS:
+            few_rows = False
         return "avx2" if widest == "avx512" and few_rows else widest
     if isa not in qgemm_isas(kind):
         raise ValueError(f"isa: expected one of {', '.join(qgemm_isas(kind))} (the qgemm variants this CPU "

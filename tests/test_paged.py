@@ -471,9 +471,14 @@ def test_kv_store_paged_and_gather_rows_reject_bad_arguments(native):
         (dict(row_seq=buffers.zeros(2, np.int64)), "row_seq: expected dtype int32"),
         (dict(heads=(0, 3)), "heads: expected 0 <= h0 < h1 <= n_kv=2"),
         (dict(src=arena.reshape(-1)[:src.size].reshape(src.shape)), "arena: overlaps src"),
+        (dict(keys=1), "keys: expected True or False, got 1"),
+        (dict(keys=True, src=buffers.zeros((m, n_kv, 1032)),
+              arena=buffers.zeros((4, n_kv, KV_BLOCK, 1032), np.float16)),
+         "src: head_dim 1032 is above 1024, the most a float16 key arena stores"),
     ]:
         with pytest.raises(ValueError, match=message):
             store(**changes)
+    store(keys=True)
 
     x, rows, out = buffers.zeros((3, 9)), i32([2, 0]), buffers.zeros((2, 9))
     native.gather_rows(x, rows, out)

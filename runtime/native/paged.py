@@ -52,7 +52,7 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
                  np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
                  np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
-# Keys are stored in the key layout (codegen/contract.py KEY_TILE): each (block, KV head) a
+# Keys are stored in the key layout (codegen/contract.py, key arenas): each (block, KV head) a
 # tile [head_dim][KV_BLOCK], the same bytes as KV_BLOCK rows; values stay rows.
 KEY_STORE_SYMBOLS = {dtype: name.replace("kv_store", "key_store") for dtype, name in STORE_SYMBOLS.items()}
 MAX_KEY_HEAD_DIM = 1024             # f16 / q8_0: the key store's stack copy of a row (codegen/paged.py)
@@ -129,8 +129,8 @@ TILE = f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}"    # k: key tiles, and SCORE_SLAC
 
 
 def scratch_floats(max_keys, head_dim=MAX_HEAD_DIM):
-    """Score rows, then the partial records of the segments a row of max_keys keys can span
-    (a window's keys start anywhere in a segment: one more)."""
+    """SCORE_SLACK floats, the score rows, then the partial records of the segments a row of
+    max_keys keys can span (a window's keys start anywhere in a segment: one more)."""
     spans = kv_segments(max_keys) + 1
     return SCORE_SLACK + MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(head_dim)
 

@@ -209,17 +209,17 @@ CACHE_LINE = 64
 PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
 
 
-def prefetch_share(frame, lines):
-    """PREFETCHT1 ``lines`` lines at each pointer of frame.prefetch (then advanced): a share
+def prefetch_share(pointers, lines):
+    """PREFETCHT1 ``lines`` lines at each of ``pointers`` (then advanced): a share
     of the next tiles spread over the dimension loop, so the requests trickle out between the
     FMAs instead of stalling the core in a burst when the fill buffers run out."""
-    for pointer in frame.prefetch:
+    for pointer in pointers:
         for i in range(lines):
             PREFETCHT1([pointer + i * CACHE_LINE])
         ADD(pointer, lines * CACHE_LINE)
 
 
-def tile_scores(heads, frame, tile, out):
+def tile_scores(heads, frame, tile, out, prefetch):
     """Scores of the KV_BLOCK keys of one block for up to MAX_HEADS heads:
     out[h][j] = scale * q[h] . k_j, from a key tile [head_dim][KV_BLOCK] (codegen/contract.py).
 
@@ -227,7 +227,7 @@ def tile_scores(heads, frame, tile, out):
     row d (KV_BLOCK keys) times q[h][d] broadcast. Each score sums its products in
     KEY_PARTIALS interleaved partials (d = r mod KEY_PARTIALS, d ascending), added
     pairwise at the end: a fixed order per key, whatever the block, the lane, the tile's
-    heads or the row."""
+    heads or the row. ``prefetch``: the pointers the dimension loop prefetches from."""
     partials = KEY_PARTIALS[frame.wide]
     halves = KV_BLOCK // frame.lanes
     e = ARENA_BYTES[frame.arena]
@@ -262,7 +262,7 @@ def tile_scores(heads, frame, tile, out):
         MOV(count, frame.head_dim)
         SHR(count, 5)
         with Loop() as blocks:
-            prefetch_share(frame, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+            prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
             dims(KV_Q8_BLOCK, scales)
             ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
             ADD(qd, KV_Q8_BLOCK * FLOAT)
@@ -275,7 +275,7 @@ def tile_scores(heads, frame, tile, out):
         groups = Loop()
         JZ(groups.end)                               # f32 head_dim 1
         with groups:
-            prefetch_share(frame, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+            prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
             dims(partials)
             ADD(kp, partials * KV_BLOCK * e)
             ADD(qd, partials * FLOAT)
@@ -325,7 +325,7 @@ def emit_scores(heads, frame):
     previous row's last floats, past any key of the segment); the last block's lanes past
     the segment's last key stay inside its row (segments are block aligned). Only
     [0, n_keys) is read afterwards."""
-    block, end, out, t = gp(), gp(), gp(), gp()
+    block, out = gp(), gp()
     MOV(block, frame.first)
     AND(block, -KV_BLOCK)
     MOV(out, block)
@@ -337,11 +337,11 @@ def emit_scores(heads, frame):
     with Loop() as blocks:
         block, tile = gp(), gp()
         MOV(block, frame.key)
-        frame.prefetch = prefetch_targets(frame, block)
+        prefetch = prefetch_targets(frame, block)
         block_row_address(frame, block, frame.k_head, tile)
         out = gp()
         MOV(out, frame.offset)
-        tile_scores(heads, frame, tile, out)
+        tile_scores(heads, frame, tile, out, prefetch)
         ADD(frame.offset, KV_BLOCK * FLOAT)
         block, end = gp(), gp()
         MOV(block, frame.key)
@@ -522,26 +522,27 @@ def emit_pv(heads, frame):
 
 # ---------------------------------------------------------------- pass 2: the segment's softmax
 
+def head_address(out, base, stride, h):
+    """out = the stack slot ``base`` + h times the stack slot ``stride``: head h of the tile's
+    score rows or partial records."""
+    MOV(out, base)
+    if h:
+        t = gp()
+        MOV(t, stride)
+        IMUL(t, t, h)
+        ADD(out, t)
+
+
 def emit_partial_softmax(heads, frame):
     """Per head of the tile: the segment's max score, e_j = exp(s_j - max) in place on the
     score row, and their sum (the same order as codegen/attention.py's softmax), max and sum
     stored in the head's partial record; nothing is normalised (the combine does it)."""
     for h in range(heads):
         score_row = gp()
-        MOV(score_row, frame.scores)
-        if h:
-            t = gp()
-            MOV(t, frame.stride4)
-            IMUL(t, t, h)
-            ADD(score_row, t)
+        head_address(score_row, frame.scores, frame.stride4, h)
         peak, total = emit_exp_row(frame, score_row)
         rec = gp()
-        MOV(rec, frame.rec_heads)
-        if h:
-            t = gp()
-            MOV(t, frame.rec4)
-            IMUL(t, t, h)
-            ADD(rec, t)
+        head_address(rec, frame.rec_heads, frame.rec4, h)
         ADD(rec, frame.stat)
         VMOVSS([rec], peak.as_xmm)
         VMOVSS([rec + 4], total.as_xmm)
@@ -1354,8 +1355,7 @@ def emit_key_row(arena_type, head_dim, src, tile_lane, saved):
     scatter_key(head_dim, row, tile_lane, 1)
     # the scales: [head_dim / 32][KV_BLOCK] f32 after the tile's quants
     count, scales, t = gp(), gp(), gp()
-    LEA(row, saved.row)
-    ADD(row, head_dim)
+    ADD(row, head_dim)                               # row still points at the stack copy
     MOV(scales, head_dim)
     SHL(scales, LOG2_KV_BLOCK)
     ADD(scales, tile_lane)

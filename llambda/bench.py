@@ -130,6 +130,19 @@ def _run_child(engine, model, gguf, threads, n_ctx, prompt_sizes=PROMPT_SIZES, g
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+PAGE_CACHE_NOTE = "Both engines' weight files were read into the page cache in 2 MiB folios first."
+
+
+def same_page_cache(*paths):
+    """Each engine's weight file cached in 2 MiB folios before it is measured
+    (runtime/page_cache.py): llambda writes its own file so, and llama.cpp's GGUF gets the
+    same, so that neither engine's figures depend on how its file last came into the page
+    cache (a file mapped in 4 KiB pages decodes measurably slower, in both engines)."""
+    from llambda.runtime import page_cache
+    for path in paths:
+        page_cache.recache(path)
+
+
 def _have_llamacpp():
     try:
         import llama_cpp  # noqa: F401
@@ -176,6 +189,7 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
         print("llambda bench: llama-cpp-python is not installed (pip install -e '.[bench]'); "
               "measuring llambda only", file=sys.stderr)
     config, bytes_per_token, flops_per_token = _model_costs(model_path)
+    same_page_cache(gguf, model_path)
     from llambda.runtime.native.quant import widest_qgemm_isa
     prefill_isa = widest_qgemm_isa()                  # the int8 kernels prefill runs on
     peaks = dict(fma=ceilings.fma_peak_gflops(), fma_zmm=ceilings.fma_peak_gflops("avx512"),
@@ -220,6 +234,7 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     gguf = default_model.gguf_path() if model is None else catalog.resolve(model)
     model_path = convert.ensure_converted(gguf)
     engines = [f"llambda:{t}" for t in SWEEP_KV_TYPES] + (["llama.cpp"] if _have_llamacpp() else [])
+    same_page_cache(gguf, model_path)
     rows = []
     for ctx in SWEEP_CONTEXTS:
         row = dict(context=ctx)
@@ -232,7 +247,8 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     short = rows[0]
     names = [e.replace("llambda:", "llambda ") for e in engines]
     lines = [f"Decode tok/s after a prompt of N tokens ({SWEEP_TOKENS} tokens decoded), {threads} thread(s), "
-             f"median of {repeats}; (x) = the fraction of the same engine's speed after {short['context']}", "",
+             f"median of {repeats}; (x) = the fraction of the same engine's speed after {short['context']}. "
+             + PAGE_CACHE_NOTE, "",
              "| context | " + " | ".join(names) + (" | f16 / llama.cpp |" if "llama.cpp" in engines else " |"),
              "|" + "---|" * (1 + len(engines) + ("llama.cpp" in engines))]
     for r in rows:
@@ -289,6 +305,8 @@ def _markdown(report, engines, threads):
              + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items())
              + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
              f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token"]
+    lines[-1] += "  "
+    lines.append(PAGE_CACHE_NOTE)
     if report.get("busy_cpu") is not None:
         lines.append(f"Measured with CPU {report['busy_cpu']} kept busy by another process (--busy-core)  ")
     lines.append("")

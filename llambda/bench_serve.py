@@ -198,7 +198,9 @@ def measure(server, model, streams_list, max_tokens, repeats):
 
 
 def markdown(rows, threads, parallel, max_tokens):
-    out = [f"threads {threads}, {parallel} slots, {max_tokens} tokens per stream, greedy, distinct prompts", "",
+    from .bench import PAGE_CACHE_NOTE
+    out = [f"threads {threads}, {parallel} slots, {max_tokens} tokens per stream, greedy, distinct prompts. "
+           + PAGE_CACHE_NOTE, "",
            "| engine | streams | aggregate tok/s | per stream tok/s | TTFT p50 | TTFT p95 |",
            "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -212,6 +214,9 @@ def run(model=None, *, threads=2, parallel=None, streams=STREAMS, max_tokens=128
         llama_server=None, engines=("llambda", "llama.cpp"), as_json=False):
     from . import catalog, default_model
     gguf = default_model.gguf_path() if model is None else Path(catalog.resolve(model))
+    from .bench import same_page_cache
+    from .convert import ensure_converted
+    same_page_cache(gguf, ensure_converted(gguf))
     parallel = parallel or max(streams)
     rows = []
     binary = find_llama_server(llama_server) if "llama.cpp" in engines else None

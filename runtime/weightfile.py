@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic, faults
+from . import atomic, faults, page_cache
 
 MAGIC = b"LLAMBDA\0"
 GGUF_MAGIC = b"GGUF"
@@ -86,6 +86,7 @@ def write(path, metadata, arrays, progress=None, check=None):
     with atomic.create(path, check=check) as out:
         out.write(header)
         _write_arrays(out, arrays, entries, progress, path.name)
+    page_cache.recache(path)     # loads then map it in 2 MiB pages (runtime/page_cache.py)
     return path
 
 
@@ -231,6 +232,7 @@ def _map(path):
             start = f.read(_PREFIX.size)
             _check_prefix(path, start, size)
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        page_cache.advise(mapping)        # what faults read in from disk comes in huge folios
         faults.guard(mapping, path)       # a SIGBUS in it (file changed under it) names the file
         return mapping
     except FileNotFoundError:

@@ -56,19 +56,3 @@ def recache(path):
     except (AttributeError, OSError, ValueError):
         return False
 
-
-def huge_mapped_bytes(mapping_start):
-    """Bytes of this process's mapping that starts at ``mapping_start`` mapped by huge
-    page-table entries (/proc/self/smaps FilePmdMapped), or None if unknown."""
-    try:
-        with open("/proc/self/smaps") as smaps:
-            inside = False
-            for line in smaps:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    inside = int(head.split("-")[0], 16) == mapping_start
-                elif inside and head == "FilePmdMapped:":
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

@@ -86,7 +86,7 @@ def write(path, metadata, arrays, progress=None, check=None):
     with atomic.create(path, check=check) as out:
         out.write(header)
         _write_arrays(out, arrays, entries, progress, path.name)
-    page_cache.recache(path)     # loads then map it in 2 MiB pages (runtime/page_cache.py)
+    page_cache.recache(path)     # so that loads map it in 2 MiB pages (runtime/page_cache.py)
     return path
 
 

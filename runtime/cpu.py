@@ -9,7 +9,7 @@ REQUIRED = {"avx2": ("avx2", "fma", "f16c"),
 def cpu_flags():
     """The CPU's feature flags. Linux's /proc/cpuinfo answers in a millisecond;
     py-cpuinfo (which runs a subprocess, ~1 s) covers everything else."""
-    flags = _proc_cpuinfo_flags()
+    flags = frozenset(_proc_cpuinfo("flags").split())
     if flags:
         return flags
     try:
@@ -19,28 +19,22 @@ def cpu_flags():
         return frozenset()
 
 
-def _proc_cpuinfo_flags():
+def _proc_cpuinfo(field):
+    """The value of /proc/cpuinfo's first ``field`` line (the first CPU's), or ""."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 @functools.lru_cache(maxsize=None)
 def vendor():
     """The CPU's vendor string as /proc/cpuinfo gives it ("GenuineIntel", "AuthenticAMD"), or ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _proc_cpuinfo("vendor_id")
 
 
 def missing_flags(isa):

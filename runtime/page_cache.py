@@ -22,8 +22,9 @@ everything works as before. Pages another process has mapped are not dropped.
 import mmap
 import os
 
+from .prefault import MADV_POPULATE_READ
+
 HUGE_PAGE = 2 << 20                 # PMD size on x86-64
-MADV_POPULATE_READ = 22             # Linux 5.14
 
 
 def advise(mapping):

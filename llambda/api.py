@@ -156,7 +156,7 @@ class Model:
         The low-level single-sequence path (tests, benchmarks, profiling): one sequence of
         its own, apart from generate()'s. Per decoded token this costs O(1) Python work plus
         one C-speed list comparison: only the tokens not yet in the cache are checked."""
-        ids = list(ids)
+        ids = ids if type(ids) is list else list(ids)   # only read: the new tokens are copied
         if not ids:
             raise UserError("the prompt is empty (no tokens)")
         if len(ids) > self.n_ctx:
@@ -164,8 +164,7 @@ class Model:
                             "(use a larger --ctx, or truncate)")
         common = min(_common_prefix(self._cached, ids), len(ids) - 1)   # always run one token at least
         new = self._check_ids(ids[common:])
-        logits = integrity.check_logits(self.engine.call(lambda: self._run_direct(ids[:common] + new, common)),
-                                        self.path)
+        logits = integrity.check_logits(self.engine.call(lambda: self._run_direct(new, common)), self.path)
         logits[self.n_vocab:] = -np.inf
         if stats is not None:
             stats.prompt_tokens = len(ids)
@@ -173,11 +172,13 @@ class Model:
             stats.prompt_ids = list(ids)
         return logits
 
-    def _run_direct(self, ids, start, all_logits=False):
-        """On the engine thread: run ids[start:] at positions start.. in evaluate()'s sequence."""
-        self._cached = ids[:start]
-        out = self.net.forward(ids[start:], start, all_logits=all_logits)
-        self._cached = list(ids)
+    def _run_direct(self, new, start, all_logits=False):
+        """On the engine thread: run ``new`` at positions start.. in evaluate()'s sequence,
+        whose first ``start`` cached tokens it keeps. The cache list is cut and extended in
+        place, never copied whole: a failed forward leaves it holding the kept prefix."""
+        del self._cached[start:]
+        out = self.net.forward(new, start, all_logits=all_logits)
+        self._cached.extend(new)
         return out if all_logits else out.copy()
 
     def _check_ids(self, ids):

@@ -7,6 +7,8 @@ llama.cpp does), which the reference does not: there we require the same
 top-1 token at (almost) every position, KL(ref || fast) <= 0.01 nats on
 average, and max |dlogit| <= 5% of the logit spread.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,32 @@ def test_llama3_rope_frequency_factors(tmp_path):
     ids = _prompt(model.config.vocab_size, 40, 4)
     ref = reference_logits(str(path), ids)
     np.testing.assert_allclose(model.logits(ids), ref, rtol=0, atol=1e-3 * (1 + np.abs(ref).max()))
+
+
+def test_evaluate_reuses_the_cached_prefix_and_owns_its_copy(tmp_path):
+    """evaluate() runs only the tokens past the longest cached prefix, gives the logits of a
+    fresh run whatever was cached before (bit for bit: quantized weights), and keeps its own
+    record of the cached ids: a caller growing or rewriting one list in place between calls
+    never makes it skip a token that changed."""
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_random_llama(path, tensor_type="Q8_0", seed=7, n_ctx=64, **SHAPES["quant"])
+    model = llambda.load(path, n_ctx=64, progress=False)
+    ids = _prompt(model.config.vocab_size, 24, 4)
+    full = model.logits(ids)
+    stats = SimpleNamespace()
+    grown = ids[:10]
+    model.evaluate(grown, stats)
+    for i in range(11, len(ids) + 1):
+        grown.append(ids[i - 1])                     # the same list, one more token each call
+        step = model.evaluate(grown, stats)
+        assert stats.cached_tokens == i - 1 and model.position == i
+        np.testing.assert_array_equal(step, full[i - 1])
+    grown[5] = (grown[5] + 1) % model.config.vocab_size   # rewritten in place: diverges at 5
+    step = model.evaluate(grown, stats)
+    assert stats.cached_tokens == 5
+    np.testing.assert_array_equal(step, model.logits(grown)[-1])
+    step = model.evaluate(ids[:17], stats)           # a shorter prompt: the divergence cuts the reuse
+    assert stats.cached_tokens == 5
+    np.testing.assert_array_equal(step, full[16])
+    np.testing.assert_array_equal(model.evaluate(ids[:17], stats), full[16])   # the same prompt again
+    assert stats.cached_tokens == 16                 # always one token run, for its logits

@@ -53,7 +53,7 @@ from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
-                            VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH,
+                            VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
 from peachpy import Constant
@@ -63,7 +63,7 @@ from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA, kv_q8_row_bytes
-from .vmath import exp_ps
+from .vmath import exp_ps, first_dword
 
 FAMILY = "paged"
 LOG2_KV_BLOCK = KV_BLOCK.bit_length() - 1
@@ -549,20 +549,42 @@ def emit_partial_softmax(heads, frame):
 
 
 def emit_exp_row(frame, score_row):
-    """codegen/attention.py's softmax up to the sum: (peak, total) ymm, every lane equal."""
-    p, chunks, tail = gp(), gp(), gp()
+    """codegen/attention.py's softmax up to the sum: (peak, total) ymm, every lane equal.
 
-    def for_each_chunk(body, masked_body):
+    The avx512 variant runs both passes on zmm over the row's whole 16s, then on ymm over
+    what is left (an 8, then a masked tail): each e_j is the same bits either way (exp_ps
+    computes lane by lane); the sum is the zmm partials (high half + low half) plus the
+    ymm chunks' (an 8, then the tail), in an order that depends on n_keys alone."""
+    p, chunks, tail = gp(), gp(), gp()
+    wide = frame.wide
+
+    def for_each_chunk(body, masked_body, wide_body=None):
         MOV(p, score_row)
         MOV(chunks, frame.n_keys)
-        SHR(chunks, 3)
-        loop = Loop()
-        JZ(loop.end)
-        with loop:
-            body()
-            ADD(p, CHUNK)
-            DEC(chunks)
-            JNZ(loop.begin)
+        if wide:
+            SHR(chunks, 4)
+            sixteens = Loop()
+            JZ(sixteens.end)
+            with sixteens:
+                wide_body()
+                ADD(p, 2 * CHUNK)
+                DEC(chunks)
+                JNZ(sixteens.begin)
+            eight = Block()
+            with eight:
+                TEST(frame.n_keys, LANES)
+                JZ(eight.end)
+                body()
+                ADD(p, CHUNK)
+        else:
+            SHR(chunks, 3)
+            loop = Loop()
+            JZ(loop.end)
+            with loop:
+                body()
+                ADD(p, CHUNK)
+                DEC(chunks)
+                JNZ(loop.begin)
         last = Block()
         with last:
             MOV(tail, frame.n_keys)
@@ -573,7 +595,13 @@ def emit_exp_row(frame, score_row):
             masked_body(mask)
 
     peak = YMMRegister()
+    if wide:
+        wide_peak = ZMMRegister()
+        VBROADCASTSS(wide_peak, first_dword(NEG_INF))
     VMOVAPS(peak, NEG_INF)
+
+    def max_wide():
+        VMAXPS(wide_peak, wide_peak, [p])
 
     def max_masked(mask):
         x, neg_inf = YMMRegister(), YMMRegister()
@@ -581,11 +609,28 @@ def emit_exp_row(frame, score_row):
         VMOVAPS(neg_inf, NEG_INF)
         VBLENDVPS(x, neg_inf, x, mask)
         VMAXPS(peak, peak, x)
-    for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked)
+    for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked, max_wide)
+    if wide:
+        high = YMMRegister()
+        VEXTRACTF64X4(high, wide_peak, 1)
+        VMAXPS(peak, peak, high)
+        VMAXPS(peak, peak, wide_peak.as_ymm)
     fold_lanes(VMAXPS, peak)
 
     total = YMMRegister()
     VXORPS(total, total, total)
+    if wide:
+        wide_total, wide_peak = ZMMRegister(), ZMMRegister()
+        VXORPS(wide_total, wide_total, wide_total)
+        VBROADCASTSS(wide_peak, peak.as_xmm)
+
+    def exp_wide():
+        x, t1, t2 = ZMMRegister(), ZMMRegister(), ZMMRegister()
+        VMOVUPS(x, [p])
+        VSUBPS(x, x, wide_peak)
+        exp_ps(x, x, t1, t2)
+        VMOVUPS([p], x)
+        VADDPS(wide_total, wide_total, x)
 
     def exp_chunk(mask=None):
         x, t1, t2 = YMMRegister(), YMMRegister(), YMMRegister()
@@ -601,7 +646,12 @@ def emit_exp_row(frame, score_row):
             VANDPS(x, x, mask)          # lanes past n_keys loaded as 0: exp(0 - max) must not count
             VMASKMOVPS([p], mask, x)
         VADDPS(total, total, x)
-    for_each_chunk(exp_chunk, exp_chunk)
+    for_each_chunk(exp_chunk, exp_chunk, exp_wide)
+    if wide:
+        high = YMMRegister()
+        VEXTRACTF64X4(high, wide_total, 1)
+        VADDPS(high, high, wide_total.as_ymm)
+        VADDPS(total, high, total)
     fold_lanes(VADDPS, total)
     return peak, total
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from helpers import nan_buffer, sizes
-from llambda.runtime import buffers
+from llambda.runtime import buffers, cpu
 
 # Where exp_ps promises accuracy: below it results flush to 0 (true value
 # < 1.9e-38), above it the float range ends (ln FLT_MAX = 88.7228).
@@ -66,3 +66,62 @@ def test_exp_rejects_bad_arguments(native):
         native.exp(buffers.zeros(8, np.float64), buffers.zeros(8))
     with pytest.raises(ValueError, match="out: expected shape"):
         native.exp(buffers.zeros(8), buffers.zeros(9))
+
+
+def _wide_exp(tmp_path):
+    """exp_ps on zmm (as the avx512 attention's softmax runs it) as a one-off function:
+    out[i] = exp(x[i]) for n % 16 == 0, built here with PeachPy, since no library kernel
+    exposes it alone."""
+    import ctypes
+    import subprocess
+    import peachpy.writer
+    from peachpy.x86_64 import ZMMRegister, LOAD, Loop, RETURN, VMOVUPS, ADD, SUB, JNZ, abi
+    from peachpy.x86_64 import GeneralPurposeRegister64 as gp
+    from llambda.codegen.common import function
+    from llambda.codegen.vmath import exp_ps
+
+    signature = [("x", "const float*"), ("out", "float*"), ("n", "size_t")]
+    fn, (x_arg, out_arg, n_arg) = function("wide_exp", signature, "avx512")
+    with fn:
+        x, out, n = gp(), gp(), gp()
+        LOAD.ARGUMENT(x, x_arg)
+        LOAD.ARGUMENT(out, out_arg)
+        LOAD.ARGUMENT(n, n_arg)
+        with Loop() as loop:
+            value, t1, t2 = ZMMRegister(), ZMMRegister(), ZMMRegister()
+            VMOVUPS(value, [x])
+            exp_ps(value, value, t1, t2)
+            VMOVUPS([out], value)
+            ADD(x, 64)
+            ADD(out, 64)
+            SUB(n, 16)
+            JNZ(loop.begin)
+        RETURN()
+    obj, lib = tmp_path / "wide_exp.o", tmp_path / "wide_exp.so"
+    with peachpy.writer.ELFWriter(str(obj), abi.system_v_x86_64_abi) as writer:
+        writer.add_function(fn.finalize(abi.system_v_x86_64_abi))
+    subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(lib), str(obj)], check=True)
+    call = ctypes.CDLL(str(lib)).wide_exp
+    call.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+    def run(values):
+        values = buffers.aligned_copy(np.asarray(values, np.float32))
+        got = nan_buffer(values.shape)
+        call(values.ctypes.data, got.ctypes.data, values.size)
+        return got
+    return run
+
+
+def test_exp_on_zmm_gives_the_ymm_bits(native, tmp_path):
+    """The zmm form (16 lanes, broadcast constants, VRNDSCALEPS) computes every lane as the
+    ymm form does: bit for bit, edges and NaN included."""
+    if not cpu.supports("avx512"):
+        pytest.skip("this CPU has no AVX-512")
+    rng = np.random.default_rng(1)
+    x = np.concatenate([np.linspace(-100.0, 100.0, 400_000), rng.uniform(-1.0, 1.0, 99_984),
+                        [-np.inf, -1e30, -87.7, -87.0, -0.0, 0.0, 88.73, 89.0, 1e30, np.inf, np.nan,
+                         -np.nan, 1e-30, -1e-30, 5e-45, -5e-45]]).astype(np.float32)
+    assert x.size % 16 == 0
+    x, want = native_exp(native, x)
+    got = _wide_exp(tmp_path)(x)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

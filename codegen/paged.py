@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
-                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB,
+                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB, CMOVAE,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
@@ -305,12 +305,24 @@ def tile_scores(heads, frame, tile, out, prefetch):
 
 def prefetch_targets(frame, key):
     """(V tile of key's block, K tile PREFETCH_BLOCKS blocks on, or this block's when the row
-    ends sooner): what tile_scores asks for while it computes this block's scores."""
+    ends sooner): what tile_scores asks for while it computes this block's scores. Past the
+    segment's end, "on" continues in the next segment this call attends (seg_step segments
+    on: a split decode step leaves the ones between to the other threads), so a segment's
+    first tiles are on their way when it starts."""
     block, v_tile, k_tile = gp(), gp(), gp()
     MOV(block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.v_head, v_tile)
     ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
+    end, later = gp(), gp()
+    MOV(end, frame.first)
+    ADD(end, frame.n_keys)                           # the first key past the segment
+    MOV(later, frame.seg_step)
+    SUB(later, 1)
+    SHL(later, LOG2_SEGMENT)
+    ADD(later, block)
+    CMP(block, end)
+    CMOVAE(block, later)
     CMP(block, frame.row_last)
     CMOVA(block, key)
     AND(block, -KV_BLOCK)

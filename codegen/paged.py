@@ -31,9 +31,10 @@ on, a few lines per step of the dimension loop: a long cache does not fit the ca
 the core and its blocks sit anywhere.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
-q8_0 dequantized and f16 converted as they load) and sums each score in KEY_PARTIALS[True]
-partials (avx2: KEY_PARTIALS[False]); its bits differ from avx2's, so the binding picks the
-variant per machine and head_dim, never per m. The window is one code path: the row sees the last
+q8_0 dequantized and f16 converted as they load) and the softmax on zmm up to the segment's
+last 16 keys, and sums each score in KEY_PARTIALS[True] partials (avx2: KEY_PARTIALS[False]);
+its bits differ from avx2's, so the binding picks the variant per machine and head_dim,
+never per m. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
@@ -632,14 +633,14 @@ def emit_exp_row(frame, score_row):
     total = YMMRegister()
     VXORPS(total, total, total)
     if wide:
-        wide_total, wide_peak = ZMMRegister(), ZMMRegister()
+        wide_total, wide_shift = ZMMRegister(), ZMMRegister()
         VXORPS(wide_total, wide_total, wide_total)
-        VBROADCASTSS(wide_peak, peak.as_xmm)
+        VBROADCASTSS(wide_shift, peak.as_xmm)
 
     def exp_wide():
         x, t1, t2 = ZMMRegister(), ZMMRegister(), ZMMRegister()
         VMOVUPS(x, [p])
-        VSUBPS(x, x, wide_peak)
+        VSUBPS(x, x, wide_shift)
         exp_ps(x, x, t1, t2)
         VMOVUPS([p], x)
         VADDPS(wide_total, wide_total, x)

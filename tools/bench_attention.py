@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Decode attention alone: one query row over a long KV cache, straight through ctypes, one thread.
+
+    tools/bench_attention.py [--kv f16,q8_0,f32] [--keys 1024,4096] [--layers 1|30]
+                             [--isa avx2|avx512] [--lib A.so --lib B.so] [--shuffle] [--rounds 3]
+
+SmolLM2-135M's attention shape (9 query heads on 3 KV heads of head_dim 64), scale 1/8.
+``--layers N`` makes N copies of the arenas and calls them in turn, as a decode step walks
+its layers: with 30 the cache comes from memory (what long-context decode sees), with 1 it
+stays near the core once warm (the arithmetic's cost). Block tables are sequential, as one
+sequence's blocks come from a fresh pool; ``--shuffle`` permutes them.
+
+Each figure is the best of ``--rounds`` rounds of the mean time per call, reported as ns
+per (key, KV head) and as GB/s of K and V bytes read. The first call's output is checked
+against runtime/ref/paged.py. ``--lib`` (repeatable) times the same symbol from several
+kernel libraries, interleaved round by round, for A/B comparisons on a busy machine.
+"""
+import argparse
+import ctypes
+import time
+
+import numpy as np
+
+N_HEAD, N_KV, HEAD_DIM, SCALE = 9, 3, 64, 0.125
+BUDGET_S = 0.2
+
+
+def arenas(kv, keys, shuffle, rng):
+    """(key arena, value arena, tables [1, blocks]) holding ``keys`` random keys."""
+    from llambda.runtime import buffers
+    from llambda.codegen.contract import KV_BLOCK
+    from llambda.runtime.ref import paged as ref
+    blocks = -(-keys // KV_BLOCK)
+    rows = rng.standard_normal((blocks, N_KV, KV_BLOCK, HEAD_DIM)).astype(np.float32)
+    if kv == "q8_0":
+        rows = ref.quantize_kv_q8(rows)
+    elif kv == "f16":
+        rows = rows.astype(np.float16)
+    order = rng.permutation(blocks) if shuffle else np.arange(blocks)
+    tables = buffers.aligned_copy(order.astype(np.int32)[None, :])
+    return buffers.aligned_copy(ref.key_tiles(rows, HEAD_DIM)), buffers.aligned_copy(rows), tables
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", default="f16,q8_0,f32")
+    ap.add_argument("--keys", default="1024,4096")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--isa", help="attention variant (default: the binding's choice)")
+    ap.add_argument("--lib", action="append", help="kernel library .so to time (repeatable)")
+    ap.add_argument("--shuffle", action="store_true", help="blocks in a random order")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    from llambda.runtime import buffers, library
+    from llambda.runtime.native import paged
+    from llambda.runtime.ref import paged as ref
+
+    libs = args.lib or [str(library.load("avx2").directory / "libllambda.so")]
+    dlls = [ctypes.CDLL(path) for path in libs]
+    rng = np.random.default_rng(0)
+    print(f"One thread, {'random' if args.shuffle else 'sequential'} block order; lib i = {', '.join(libs)}\n")
+    print(f"| kernel | keys | layers | {' | '.join(f'lib {i}: ns per (key, KV head), GB/s' for i in range(len(libs)))} |")
+    print(f"|---|---|---|{'---|' * len(libs)}")
+    for kv in args.kv.split(","):
+        for keys in [int(k) for k in args.keys.split(",")]:
+            sets = [arenas(kv, keys, args.shuffle, rng) for _ in range(args.layers)]
+            q = buffers.aligned_copy(rng.standard_normal((1, N_HEAD, HEAD_DIM)).astype(np.float32))
+            out = buffers.zeros(q.shape)
+            scratch = paged.paged_attention_scratch(keys, HEAD_DIM)
+            positions, row_seq = buffers.aligned_copy(np.array([keys - 1], np.int32)), buffers.zeros(1, np.int32)
+            calls = [paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, isa=args.isa)
+                     for k, v, t in sets]
+            symbol = calls[0][0]
+            want = np.zeros(q.shape, np.float32)
+            k, v, t = sets[0]
+            ref.attention_paged(q, k, v, positions, row_seq, t, SCALE, want, None)
+            fns = []
+            for dll in dlls:
+                fn = getattr(dll, symbol)
+                fn.restype = None
+                fn.argtypes = [ctypes.c_size_t] * 13 + [ctypes.c_float] * 2
+                fn(*calls[0][1])
+                error = float(np.abs(out - want).max())
+                if not error <= 1e-4:
+                    raise SystemExit(f"{symbol} in {dll._name}: max |out - reference| = {error:.3g}")
+                fns.append(fn)
+            best = [float("inf")] * len(fns)
+            for _ in range(args.rounds):
+                for i, fn in enumerate(fns):
+                    n, t0 = 0, time.perf_counter()
+                    while True:
+                        fn(*calls[n % len(calls)][1])
+                        n += 1
+                        elapsed = time.perf_counter() - t0
+                        if elapsed > BUDGET_S and n >= len(calls):
+                            break
+                    best[i] = min(best[i], elapsed / n)
+            kv_bytes = 2 * sets[0][1][0, 0].nbytes * sets[0][1].shape[0] * N_KV     # K and V, every block
+            cells = [f"{s * 1e9 / (keys * N_KV):.2f} ns, {kv_bytes / s / 1e9:.1f} GB/s" for s in best]
+            print(f"| {symbol} | {keys} | {args.layers} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

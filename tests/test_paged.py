@@ -385,6 +385,43 @@ def test_paged_ops_touch_nothing_past_their_arrays(native, ref, head_dim, window
     np.testing.assert_array_equal(gathered, flat[[m - 1, 0]])
 
 
+@pytest.mark.parametrize("head_dim", [9, 64])
+@pytest.mark.parametrize("seg_step", [2, 3])
+def test_split_attention_reads_no_table_entry_past_the_row(native, head_dim, seg_step):
+    """A split decode step's call attends every seg_step-th segment and looks up the blocks
+    it prefetches, two blocks on, in the next segment it attends: rows that end one block
+    into a segment, and a table that ends where an unreadable page begins, show that no
+    lookup goes past the row's last block (a stray one crashes). The split gives the whole
+    call's bits."""
+    from llambda.runtime.native import paged as n_paged
+    from llambda.runtime.native._lib import kernel
+    keep = []
+    rng = np.random.default_rng(5)
+    n_head, n_kv = 8, 2
+    n_blocks = 3 * KV_SEGMENT // KV_BLOCK + 2     # three segments and two blocks
+    length = n_blocks * KV_BLOCK
+    tables = before_a_guard_page(i32(rng.permutation(n_blocks)[None]), keep)
+    positions = before_a_guard_page(i32([length - 1, KV_SEGMENT + 3, 2 * KV_SEGMENT + KV_BLOCK, length - 20]), keep)
+    row_seq = before_a_guard_page(i32([0, 0, 0, 0]), keep)
+    m = len(positions)
+    k_arena = rng.standard_normal((n_blocks, n_kv, KV_BLOCK, head_dim)).astype(np.float32)
+    v_arena = buffers.aligned_copy(rng.standard_normal(k_arena.shape).astype(np.float32))
+    k_arena = buffers.aligned_copy(k_arena)
+    q = buffers.aligned_copy(rng.standard_normal((m, n_head, head_dim)).astype(np.float32))
+    scratch = native.paged_attention_scratch(length)
+    whole = nan_buffer(q.shape)
+    native.attention_paged(q, k_arena, v_arena, positions, row_seq, tables, 0.3, whole, scratch)
+    partials = n_paged.attention_partials(m, n_head, head_dim, tables)
+    for seg0 in range(seg_step):
+        symbol, args = n_paged.attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, 0.3,
+                                                    nan_buffer(q.shape), scratch, partials=partials,
+                                                    segments=(seg0, seg_step))
+        kernel(symbol)(*args)
+    split = nan_buffer(q.shape)
+    n_paged.attention_combine(partials, positions, tables, split)
+    np.testing.assert_array_equal(split, whole)
+
+
 # ---------------------------------------------------------------- bad arguments
 
 def test_attention_paged_rejects_bad_arguments(native):

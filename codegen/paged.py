@@ -571,18 +571,22 @@ def emit_exp_row(frame, score_row):
     p, chunks, tail = gp(), gp(), gp()
     wide = frame.wide
 
-    def for_each_chunk(body, masked_body, wide_body=None):
-        MOV(p, score_row)
+    def whole_chunks(lanes, body):
+        """body() on each whole run of ``lanes`` scores from p on (p advanced past them)."""
         MOV(chunks, frame.n_keys)
+        SHR(chunks, lanes.bit_length() - 1)
+        loop = Loop()
+        JZ(loop.end)
+        with loop:
+            body()
+            ADD(p, lanes * FLOAT)
+            DEC(chunks)
+            JNZ(loop.begin)
+
+    def for_each_chunk(body, masked_body, wide_body):
+        MOV(p, score_row)
         if wide:
-            SHR(chunks, 4)
-            sixteens = Loop()
-            JZ(sixteens.end)
-            with sixteens:
-                wide_body()
-                ADD(p, 2 * CHUNK)
-                DEC(chunks)
-                JNZ(sixteens.begin)
+            whole_chunks(2 * LANES, wide_body)
             eight = Block()
             with eight:
                 TEST(frame.n_keys, LANES)
@@ -590,14 +594,7 @@ def emit_exp_row(frame, score_row):
                 body()
                 ADD(p, CHUNK)
         else:
-            SHR(chunks, 3)
-            loop = Loop()
-            JZ(loop.end)
-            with loop:
-                body()
-                ADD(p, CHUNK)
-                DEC(chunks)
-                JNZ(loop.begin)
+            whole_chunks(LANES, body)
         last = Block()
         with last:
             MOV(tail, frame.n_keys)
@@ -624,10 +621,7 @@ def emit_exp_row(frame, score_row):
         VMAXPS(peak, peak, x)
     for_each_chunk(lambda: VMAXPS(peak, peak, [p]), max_masked, max_wide)
     if wide:
-        high = YMMRegister()
-        VEXTRACTF64X4(high, wide_peak, 1)
-        VMAXPS(peak, peak, high)
-        VMAXPS(peak, peak, wide_peak.as_ymm)
+        fold_high_half(VMAXPS, peak, wide_peak)
     fold_lanes(VMAXPS, peak)
 
     total = YMMRegister()
@@ -661,12 +655,18 @@ def emit_exp_row(frame, score_row):
         VADDPS(total, total, x)
     for_each_chunk(exp_chunk, exp_chunk, exp_wide)
     if wide:
-        high = YMMRegister()
-        VEXTRACTF64X4(high, wide_total, 1)
-        VADDPS(high, high, wide_total.as_ymm)
-        VADDPS(total, high, total)
+        fold_high_half(VADDPS, total, wide_total)
     fold_lanes(VADDPS, total)
     return peak, total
+
+
+def fold_high_half(op, acc, wide):
+    """acc (ymm) = op(op(high half of ``wide``, its low half), acc): a zmm's partials into a
+    ymm accumulator, in that fixed order."""
+    high = YMMRegister()
+    VEXTRACTF64X4(high, wide, 1)
+    op(high, high, wide.as_ymm)
+    op(acc, high, acc)
 
 
 # ---------------------------------------------------------------- the combine

@@ -46,7 +46,10 @@ everything else, the caller (llambda/kv_pool.py) keeps those in range.
 A plan record holds 13 integer arguments; the attention kernel needs 18 values, so pairs
 of 32-bit values travel packed in one size_t each (low | high << 32): ``rows`` = m |
 table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32 and
-``segments`` = seg0 | step << 32.
+``segments`` = seg0 | step << 32. ``head_dim`` = head_dim | block_heads << 32: an arena's
+blocks are block_heads >= n_kv KV heads apart, so a layer's arena can be a view of a buffer
+that holds block b of every layer together (llambda/kv_pool.py: a sequence's blocks then
+fill whole huge pages).
 """
 from types import SimpleNamespace
 
@@ -96,7 +99,8 @@ ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_a
                        ("rows", "size_t"), ("head_dim", "size_t"), ("kv_heads", "size_t"),
                        ("heads", "size_t"), ("segments", "size_t"),
                        ("scale", "float"), ("window", "float")]
-# rows = m | table_stride << 32; segments = seg0 | step << 32. step 0: whole rows (every
+# rows = m | table_stride << 32; head_dim = head_dim | block_heads << 32 (an arena's blocks are
+# block_heads KV heads apart); segments = seg0 | step << 32. step 0: whole rows (every
 # segment, partials in the scratch, combined into dest = out). step > 0: the segments
 # s = seg0 (mod step) of every row, their partial records written to dest = partials
 # [m, n_segments, n_head, kv_partial_floats(head_dim)] for attention_combine.
@@ -1041,7 +1045,8 @@ def emit_setup(frame, args):
     IMUL(group_end, frame.group)
     MOV(frame.group_end0, group_end)
 
-    head_dim, t = load("head_dim"), gp()
+    head_dim, block_heads, t = gp(), gp(), gp()
+    low_high(load("head_dim"), head_dim, block_heads)
     hd4 = store_head_dim(frame, head_dim)
     MOV(t, head_dim)
     SHR(t, frame.lanes.bit_length() - 1)
@@ -1056,7 +1061,7 @@ def emit_setup(frame, args):
     MOV(frame.kd, t)
     SHL(t, LOG2_KV_BLOCK)
     MOV(frame.kv_stride, t)                          # one KV head of a block
-    IMUL(t, n_kv)
+    IMUL(t, block_heads)
     MOV(frame.block_stride, t)
     n_head = gp()
     MOV(n_head, group)                               # q, out rows: n_head = n_kv * group heads
@@ -1323,7 +1328,9 @@ def scatter_key(head_dim, row, tile, element):
 def emit_kv_store_paged(isa, arena_type, keys=False):
     """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
     block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
-    arena to the first head; src rows are n_kv heads long, an arena block n_kv heads deep.
+    arena to the first head; ``n_kv`` = n_kv | block_heads << 32: src rows are n_kv heads
+    long, and an arena's blocks are block_heads KV heads apart (n_kv, or more when the arena
+    is one layer's view of a buffer holding every layer's block b together).
 
     ``keys``: the key layout (codegen/contract.py), each (block, head) a tile [head_dim]
     [KV_BLOCK] (q8_0: the quants so, then [head_dim / 32][KV_BLOCK] scales): the row is
@@ -1332,7 +1339,9 @@ def emit_kv_store_paged(isa, arena_type, keys=False):
     fn, args = function(symbol("key_store_paged" if keys else "kv_store_paged", arena_type, "", isa),
                         signature, isa)
     with fn:
-        src, positions, row_seq, tables, arena, m, n_heads, head_dim, n_kv, table_stride = load_all(args)
+        src, positions, row_seq, tables, arena, m, n_heads, head_dim, kv_heads, table_stride = load_all(args)
+        n_kv, block_heads = gp(), gp()
+        low_high(kv_heads, n_kv, block_heads)
         saved = SimpleNamespace(**{name: LocalVariable(8) for name in
                                    ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m",
                                     "arena", "lane")})
@@ -1353,10 +1362,8 @@ def emit_kv_store_paged(isa, arena_type, keys=False):
             LEA(kd, [head_dim * ARENA_BYTES[arena_type]])
         MOV(head_stride, kd)
         SHL(head_stride, LOG2_KV_BLOCK)
-        MOV(saved.src_stride, n_kv)
-        IMUL(n_kv, head_stride)
-        MOV(saved.block_stride, n_kv)
-        MOV(n_kv, saved.src_stride)
+        IMUL(block_heads, head_stride)
+        MOV(saved.block_stride, block_heads)
         IMUL(n_kv, hd4)                               # src row bytes: n_kv * hd4
         MOV(saved.src_stride, n_kv)
         with Loop() as rows:

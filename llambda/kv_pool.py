@@ -3,6 +3,11 @@
 Per layer the arena holds K and V as ``[n_blocks, n_kv_head, KV_BLOCK, head_dim]``; block b
 of every layer belongs to the same sequence, so one block table per sequence (a row of
 ``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
+Each layer's K (and V) arena is a view of one buffer ``[n_blocks, n_layer, ...]`` that keeps
+block b of every layer together. Free blocks are handed out lowest first and reused last
+freed first, so the blocks in use stay packed at the buffer's start, which the buffer backs
+with huge pages past its first one (``buffers.zeros_growing``): a long context's decode step reads
+tens of MB of cache, and in small pages most of that time is page walks.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before
@@ -62,8 +67,11 @@ class KVPool:
         self.max_blocks = -(-max_ctx // KV_BLOCK)           # blocks per sequence at most
         dtype, row = _row(kv_type, c.head_dim)
         shape = (n_blocks, c.n_kv_head, KV_BLOCK, row)
-        self.k = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
-        self.v = [buffers.zeros(shape, dtype) for _ in range(c.n_layer)]
+        every_layer = (n_blocks, c.n_layer) + shape[1:]
+        self._k_blocks = buffers.zeros_growing(every_layer, dtype)
+        self._v_blocks = buffers.zeros_growing(every_layer, dtype)
+        self.k = [self._k_blocks[:, layer] for layer in range(c.n_layer)]
+        self.v = [self._v_blocks[:, layer] for layer in range(c.n_layer)]
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)

@@ -13,6 +13,7 @@ ALIGNMENT = 64
 # mmap threshold, which rises as large blocks are freed (to 32 MiB): past that, calloc takes
 # heap memory and clears it, and a KV cache of many arenas then costs milliseconds at load.
 MAPPED_ZEROS = 256 << 10
+HUGE_PAGE = 2 << 20
 
 
 def empty(shape, dtype=np.float32, align=ALIGNMENT):
@@ -26,8 +27,37 @@ def zeros(shape, dtype=np.float32, align=ALIGNMENT):
     return _aligned(_zeros, shape, dtype, align)
 
 
+def zeros_growing(shape, dtype=np.float32):
+    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py). Its
+    first HUGE_PAGE bytes come in small pages, so a short use costs only what it touches;
+    past them the mapping asks for huge pages (MADV_HUGEPAGE), so a long use maps 2 MiB per
+    TLB entry instead of 4 KiB, and reading it far from the core is not page walks.
+    A touch past the first huge page makes a whole one resident: at most HUGE_PAGE more
+    than what is used, and only once HUGE_PAGE is. Best effort: without transparent huge
+    pages it is plain ``zeros``."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if np.isscalar(shape) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes <= HUGE_PAGE:
+        return zeros(shape, dtype)
+    pages = ZeroPages(-1, nbytes + HUGE_PAGE)
+    raw = np.frombuffer(pages, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % HUGE_PAGE        # huge pages are aligned to their size
+    start = offset + HUGE_PAGE
+    try:
+        pages.madvise(mmap.MADV_HUGEPAGE, start, len(pages) - start)
+    except (AttributeError, OSError):               # no MADV_HUGEPAGE here: small pages
+        pass
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 class ZeroPages(mmap.mmap):
-    """An anonymous mapping of zeros (runtime/prefault.py tells it from a file's)."""
+    """An anonymous private mapping of zeros (runtime/prefault.py tells it from a file's).
+    Private, not shared: shared anonymous memory is shmem, which gets no transparent huge
+    pages unless the machine enables them for shmem too."""
+
+    def __new__(cls, fileno, length):
+        return super().__new__(cls, fileno, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _zeros(nbytes, dtype):

@@ -8,10 +8,11 @@ import ctypes
 import numpy as np
 
 
-def array(name, value, dtype, shape=None, *, align=32, writable=False, ndim=None):
+def array(name, value, dtype, shape=None, *, align=32, writable=False, ndim=None, contiguous=True):
     """Check that ``value`` is a C-contiguous ``dtype`` array of ``shape``, aligned.
 
-    ``shape`` entries may be ``None`` (any size). Returns the array.
+    ``shape`` entries may be ``None`` (any size). ``contiguous=False``: any strides (the
+    caller checks the ones its kernel can follow). Returns the array.
 
     Recording a model's plans runs this thousands of times at load, so the checks
     avoid numpy's slow accessors (a dtype built per call, ``ctypes.data``)."""
@@ -28,7 +29,7 @@ def array(name, value, dtype, shape=None, *, align=32, writable=False, ndim=None
     if value.size == 0:
         raise ValueError(f"{name}: array is empty (shape {value.shape})")
     flags = value.flags
-    if not flags.c_contiguous:
+    if contiguous and not flags.c_contiguous:
         raise ValueError(f"{name}: array must be C-contiguous (strides {value.strides})")
     if align:
         at = address(value)

@@ -105,3 +105,61 @@ def test_random_open_seal_close_keeps_the_books(ops):
         p.close(table, blocks)
     assert p.blocks_in_use == 0 and p.available == 23 and p.tables_available == 4
     assert not p.tables.any()
+
+
+def resident_huge_bytes(array):
+    """AnonHugePages of the mappings that hold ``array`` (/proc/self/smaps: an madvise of part
+    of a mapping splits it in two)."""
+    first, last, overlaps, huge = array.ctypes.data, array.ctypes.data + array.nbytes, False, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                overlaps = start < last and first < end
+            elif overlaps and head == "AnonHugePages:":
+                huge += int(line.split()[1]) << 10
+    return huge
+
+
+def huge_page_faults_fell_back():
+    with open("/proc/vmstat") as vmstat:
+        return sum(int(n) for name, n in (line.split() for line in vmstat) if name == "thp_fault_fallback")
+
+
+def test_a_layers_block_sits_beside_the_other_layers_block():
+    """Each layer's arena is a view of one buffer holding block b of every layer together, so
+    the blocks in use (handed out lowest first) fill one dense run from the buffer's start."""
+    config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
+    for kv_type in ("f32", "f16", "q8_0"):
+        p = KVPool(config, 10, 2, 8 * B, kv_type=kv_type)
+        block = p.k[0][0].nbytes
+        for arenas in (p.k, p.v):
+            for layer, arena in enumerate(arenas):
+                assert arena.strides[0] == config.n_layer * block
+                assert arena[4].ctypes.data == arenas[0].ctypes.data + (4 * config.n_layer + layer) * block
+        _, blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
+        assert blocks == [1, 2, 3, 4, 5]
+
+
+def test_growing_zeros_take_huge_pages_only_past_the_first():
+    """buffers.zeros_growing: a use within the first HUGE_PAGE bytes makes no huge page
+    resident (a short context costs what it touches), a use past it does (a long one maps
+    2 MiB per TLB entry), where the kernel gives huge pages to anonymous memory on request."""
+    from llambda.runtime.buffers import HUGE_PAGE, zeros_growing
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off on this machine")
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    cache = zeros_growing((4 * HUGE_PAGE + 4096,), np.uint8)
+    assert not cache.any()
+    cache[:HUGE_PAGE:4096] = 1
+    assert resident_huge_bytes(cache) == 0
+    fell_back = huge_page_faults_fell_back()
+    cache[HUGE_PAGE:3 * HUGE_PAGE:4096] = 1
+    if huge_page_faults_fell_back() > fell_back:
+        pytest.skip("the kernel had no free huge page just now (thp_fault_fallback rose)")
+    assert resident_huge_bytes(cache) >= HUGE_PAGE
+    assert cache[:3 * HUGE_PAGE:4096].all() and not cache[3 * HUGE_PAGE:].any()

@@ -318,6 +318,62 @@ def test_key_store_puts_each_row_in_its_tile_lane(native, ref, data):
     np.testing.assert_array_equal(key_rows(got, head_dim).view(np.uint8), want_rows.view(np.uint8))
 
 
+# ---------------------------------------------------------------- a layer's view of the pool's buffer
+
+def in_layer(arena, layers, layer):
+    """(view, buffer): ``arena`` as layer ``layer`` of a buffer that holds block b of ``layers``
+    layers together, as llambda/kv_pool.py hands arenas out (blocks layers * n_kv heads
+    apart); the other layers' bytes 0xff (NaN floats, NaN q8_0 scales), so a stray read shows."""
+    buffer = buffers.empty((arena.shape[0], layers) + arena.shape[1:], arena.dtype)
+    buffer.view(np.uint8)[...] = 0xff
+    view = buffer[:, layer]
+    view[...] = arena
+    return view, buffer
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_a_layer_view_of_the_pools_buffer_gives_the_contiguous_arenas_bits(native, data):
+    """Every arena type and attention variant: attention over layer views gives the bits of
+    the same arenas contiguous, and both stores write the contiguous arena's bytes into the
+    view and not one byte of the other layers."""
+    from llambda.runtime.ref.paged import key_tiles
+    n_head, n_kv, head_dim, step = draw_step(data, window_too=True)
+    arena_type = data.draw(st.sampled_from(["f32", "f16", "q8_0"]), label="arena type")
+    if arena_type != "f32":
+        head_dim = data.draw(st.sampled_from([32, 64]), label="head_dim")
+        step.shape = step.shape[:3] + (head_dim,)
+    typed = {"f32": buffers.aligned_copy, "f16": as_f16, "q8_0": as_q8}[arena_type]
+    layers = data.draw(st.sampled_from([2, 3, 30]), label="layers")
+    layer = data.draw(st.integers(0, layers - 1), label="layer")
+    q, keys, values, scale, _ = draw_values(data, n_head, n_kv, head_dim, step)
+    k = buffers.aligned_copy(key_tiles(typed(step.arena(keys)), head_dim))
+    v = typed(step.arena(values))
+    (k_view, _), (v_view, _) = in_layer(k, layers, layer), in_layer(v, layers, layer)
+    args = (step.positions, step.row_seq, step.tables, scale)
+    isa = draw_isa(data, head_dim)
+    from llambda.runtime.native import paged as n_paged
+    want, got = nan_buffer(q.shape), nan_buffer(q.shape)
+    n_paged.attention_paged(q, k, v, *args, want, scratch_for(native, step), window=step.window, isa=isa)
+    n_paged.attention_paged(q, k_view, v_view, *args, got, scratch_for(native, step), window=step.window, isa=isa)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+    src = float_arrays(data.draw, (len(q), n_kv, head_dim))
+    heads = draw_head_range(data, n_kv)
+    for tiles in (False, True):
+        start = typed(step.arena([np.zeros((n_kv, n, head_dim), np.float32) for n in step.lengths]))
+        if tiles:
+            start = key_tiles(start, head_dim)
+        flat = buffers.aligned_copy(start)
+        view, buffer = in_layer(start, layers, layer)
+        others = np.delete(buffer, layer, axis=1).view(np.uint8)
+        native.kv_store_paged(src, *args[:3], flat, heads=heads, keys=tiles)
+        native.kv_store_paged(src, *args[:3], view, heads=heads, keys=tiles)
+        np.testing.assert_array_equal(view.view(np.uint8), flat.view(np.uint8))
+        np.testing.assert_array_equal(np.delete(buffer, layer, axis=1).view(np.uint8), others)
+
+
 # ---------------------------------------------------------------- gather_rows
 
 @given(st.data())
@@ -455,7 +511,20 @@ def test_attention_paged_rejects_bad_arguments(native):
         (dict(out=buffers.zeros((m, n_head, head_dim + 1))), "out: expected shape"),
         (dict(q=misaligned(q)), "q: data must be 32-byte aligned"),
         (dict(v_arena=buffers.zeros((n_blocks, n_kv, KV_BLOCK, 2 * head_dim))[..., ::2]),
-         "v_arena: array must be C-contiguous"),
+         "v_arena: each block must be C-contiguous"),
+        (dict(k_arena=buffers.zeros((n_kv, n_blocks, KV_BLOCK, head_dim)).transpose(1, 0, 2, 3)),
+         "k_arena: each block must be C-contiguous"),
+        (dict(k_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1],
+              v_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1]), None),
+        (dict(k_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1]),
+         "v_arena: strides \\(.*\\) differ from k_arena's"),
+        (dict(k_arena=buffers.zeros((n_blocks, 2 * n_kv + 1, KV_BLOCK, head_dim))[:, 1:3],
+              v_arena=buffers.zeros((n_blocks, 2 * n_kv + 1, KV_BLOCK, head_dim))[:, 1:3]), None),
+        (dict(k_arena=buffers.zeros((2 * n_blocks, n_kv, KV_BLOCK, head_dim))[::-2],
+              v_arena=buffers.zeros((2 * n_blocks, n_kv, KV_BLOCK, head_dim))[::-2]),
+         "k_arena: blocks -.* bytes apart, not a whole number of KV heads"),
+        (dict(k_arena=buffers.zeros((n_blocks, n_kv * KV_BLOCK * head_dim + 8))[:, :-8].reshape(
+            n_blocks, n_kv, KV_BLOCK, head_dim)), "k_arena: blocks .* bytes apart, not a whole number"),
         (dict(positions=i32([3])), "positions: expected shape \\(2\\)"),
         (dict(positions=buffers.zeros(2, np.int64)), "positions: expected dtype int32"),
         (dict(row_seq=i32([0, 1, 1])), "row_seq: expected shape"),
@@ -477,6 +546,9 @@ def test_attention_paged_rejects_bad_arguments(native):
         (dict(window=True), "window: expected an integer >= 0"),
     ]
     for changes, message in bad:
+        if message is None:                      # a layer's view of a buffer of several layers
+            call(**changes)
+            continue
         with pytest.raises(ValueError, match=message):
             call(**changes)
     read_only = buffers.zeros((m, n_head, head_dim))

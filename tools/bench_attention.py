@@ -38,7 +38,15 @@ def arenas(kv, keys, shuffle, rng):
         rows = rows.astype(np.float16)
     order = rng.permutation(blocks) if shuffle else np.arange(blocks)
     tables = buffers.aligned_copy(order.astype(np.int32)[None, :])
-    return buffers.aligned_copy(ref.key_tiles(rows, HEAD_DIM)), buffers.aligned_copy(rows), tables
+    return cache_copy(ref.key_tiles(rows, HEAD_DIM)), cache_copy(rows), tables
+
+
+def cache_copy(array):
+    """``array`` in memory allocated as the KV pool allocates its cache (huge pages past the first)."""
+    from llambda.runtime import buffers
+    out = buffers.zeros_growing(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def main(argv=None):

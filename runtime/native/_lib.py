@@ -24,9 +24,9 @@ def kernel(op_symbol):
 address = v.address
 
 
-def checked_address(name, array, dtype, shape=None, *, align=32, writable=False, ndim=None):
+def checked_address(name, array, dtype, shape=None, *, align=32, writable=False, ndim=None, contiguous=True):
     """``validate.array``'s checks, then the array's address (checked for ``align``)."""
-    v.array(name, array, dtype, shape, align=0, writable=writable, ndim=ndim)
+    v.array(name, array, dtype, shape, align=0, writable=writable, ndim=ndim, contiguous=contiguous)
     at = address(array)
     if align and at % align:
         raise ValueError(f"{name}: data must be {align}-byte aligned "

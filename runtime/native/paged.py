@@ -170,6 +170,27 @@ def _arena_dtype(name, arena, symbols, head_dim):
     return arena.dtype, row
 
 
+def _arena_address(name, arena, dtype, shape, writable=False):
+    """(address, block_heads) of an arena [n_blocks, n_kv, KV_BLOCK, row] of ``shape`` (None:
+    any n_blocks): each block C-contiguous, blocks block_heads >= n_kv KV heads apart, so a
+    layer's arena may be a view of a buffer holding block b of every layer (llambda/kv_pool.py)."""
+    at = checked_address(name, arena, dtype, shape, writable=writable, ndim=4, contiguous=False)
+    n_blocks, n_kv, block, row = arena.shape
+    head_bytes = block * row * dtype.itemsize
+    heads_apart = head_bytes if n_kv > 1 else arena.strides[1]     # a lone head's stride is moot
+    if arena.strides[1:] != (heads_apart, row * dtype.itemsize, dtype.itemsize):
+        raise ValueError(f"{name}: each block must be C-contiguous [n_kv, KV_BLOCK, row] "
+                         f"(strides {arena.strides})")
+    block_bytes = arena.strides[0] if n_blocks > 1 else n_kv * head_bytes
+    if block_bytes % head_bytes or block_bytes < n_kv * head_bytes:
+        raise ValueError(f"{name}: blocks {block_bytes} bytes apart, not a whole number of KV heads "
+                         f"({head_bytes} bytes) of at least n_kv = {n_kv}")
+    block_heads = block_bytes // head_bytes
+    if block_heads >= PACKED_MAX:
+        raise ValueError(f"{name}: blocks {block_heads} KV heads apart, at most {PACKED_MAX - 1}")
+    return at, block_heads
+
+
 def _step_indices(positions, row_seq, tables, m):
     """Addresses of positions, row_seq [m] and tables [n_tables, max_blocks], all int32."""
     positions_at = checked_address("positions", positions, I32, (m,), align=4)
@@ -209,7 +230,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None, keys
     m, n_kv, head_dim = src.shape
     positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
     dtype, row = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
-    arena_at = checked_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, row), writable=True)
+    arena_at, block_heads = _arena_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, row), writable=True)
     for name, array in (("src", src), ("positions", positions), ("row_seq", row_seq), ("tables", tables)):
         if np.may_share_memory(array, arena):
             raise ValueError(f"arena: overlaps {name}, which the kernel reads while writing the arena")
@@ -222,7 +243,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None, keys
     symbols = KEY_STORE_SYMBOLS if keys else STORE_SYMBOLS
     return symbols[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
                                   arena_at + arena.strides[1] * h0,
-                                  m, h1 - h0, head_dim, n_kv, tables.shape[1]]
+                                  m, h1 - h0, head_dim, n_kv | block_heads << 32, tables.shape[1]]
 
 
 # ---------------------------------------------------------------- attention_paged
@@ -263,7 +284,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
     dtype, row = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
-    k_at = checked_address("k_arena", k_arena, dtype, ndim=4)
+    k_at, block_heads = _arena_address("k_arena", k_arena, dtype, None)
     n_blocks, n_kv, block, k_row = k_arena.shape
     if block != KV_BLOCK:
         raise ValueError(f"k_arena: blocks of {block} rows, expected KV_BLOCK = {KV_BLOCK} "
@@ -272,7 +293,10 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
         what = f"rows of {k_row} bytes, q8_0 rows of q's head_dim {head_dim} have {row}" if dtype == np.uint8 \
             else f"head_dim {k_row} differs from q's {head_dim}"
         raise ValueError(f"k_arena: {what}")
-    v_at = checked_address("v_arena", v_arena, dtype, k_arena.shape)
+    v_at, _ = _arena_address("v_arena", v_arena, dtype, k_arena.shape)
+    if v_arena.strides != k_arena.strides:
+        raise ValueError(f"v_arena: strides {v_arena.strides} differ from k_arena's {k_arena.strides} "
+                         "(the kernel steps both by one block stride)")
     if n_head % n_kv:
         raise ValueError(f"k_arena: {n_kv} KV heads do not divide q's {n_head} query heads")
     if n_head >= PACKED_MAX:
@@ -320,7 +344,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
         dest_at = partials_at + partials.strides[0] * r0
     return attention_symbol(dtype, attention_isa(head_dim, isa)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
                                       positions_at + I32.itemsize * r0, row_seq_at + I32.itemsize * r0,
-                                      tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim,
+                                      tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim | block_heads << 32,
                                       n_kv | group << 32, h0 | h1 << 32, packed_segments,
                                       scale, float(window)]
 

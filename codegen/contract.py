@@ -19,8 +19,10 @@ CHUNK = 4            # quant bytes of one row per 32-byte load of a group
 PANEL = 16           # weight rows per panel: two ymm of f32 columns
 
 # -- the paged KV cache (llambda/kv_pool.py owns it; runtime/ref/paged.py defines the ops that
-#    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim]; a sequence's key j
-#    lives in block tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
+#    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim], each block
+#    contiguous, blocks block_heads >= n_kv_head KV heads apart (the pool's arenas are views of
+#    one buffer [n_blocks, n_layer, ...]); a sequence's key j lives in block
+#    tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
 KV_BLOCK = 16        # positions per KV block
 # A q8_0 arena (uint8, [n_blocks, n_kv_head, KV_BLOCK, kv_q8_row_bytes(head_dim)]): each row (one
 # position of one KV head) holds head_dim int8 quants, then one f32 scale d per KV_Q8_BLOCK of

@@ -5,9 +5,11 @@ of every layer belongs to the same sequence, so one block table per sequence (a 
 ``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
 Each layer's K (and V) arena is a view of one buffer ``[n_blocks, n_layer, ...]`` that keeps
 block b of every layer together. Free blocks are handed out lowest first and reused last
-freed first, so the blocks in use stay packed at the buffer's start, which the buffer backs
-with huge pages past its first one (``buffers.zeros_growing``): a long context's decode step reads
-tens of MB of cache, and in small pages most of that time is page walks.
+freed first, so the blocks in use stay packed at the buffer's start; once blocks have been
+handed out up to a huge page's end, that whole huge page is asked for (``buffers.
+ask_huge_pages``, before the blocks are written): a long context's decode step reads tens
+of MB of cache, and in small pages much of that time is page walks. A short context stays
+in small pages and costs only what it touches.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before
@@ -72,6 +74,7 @@ class KVPool:
         self._v_blocks = buffers.zeros_growing(every_layer, dtype)
         self.k = [self._k_blocks[:, layer] for layer in range(c.n_layer)]
         self.v = [self._v_blocks[:, layer] for layer in range(c.n_layer)]
+        self._handed_out = 1              # blocks below this have been handed out (block 0 too)
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
@@ -132,6 +135,7 @@ class KVPool:
             self._idle.pop(block, None)
             self._refs[block] += 1
         blocks = shared + [self._take() for _ in range(fresh)]
+        self._grow_into(max(blocks, default=0) + 1)
         table = self._free_tables.pop()
         self.tables[table, :] = TRASH_BLOCK
         self.tables[table, :len(blocks)] = blocks
@@ -163,6 +167,13 @@ class KVPool:
                 self._free.append(block)
         self.tables[table, :] = TRASH_BLOCK
         self._free_tables.append(table)
+
+    def _grow_into(self, high):
+        """Huge pages for the buffers' whole huge pages below block ``high``."""
+        if high > self._handed_out:
+            self._handed_out = high
+            for buffer in (self._k_blocks, self._v_blocks):
+                buffers.ask_huge_pages(buffer, high * buffer[0].nbytes)
 
     def _take(self):
         if self._free:

@@ -28,27 +28,41 @@ def zeros(shape, dtype=np.float32, align=ALIGNMENT):
 
 
 def zeros_growing(shape, dtype=np.float32):
-    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py). Its
-    first HUGE_PAGE bytes come in small pages, so a short use costs only what it touches;
-    past them the mapping asks for huge pages (MADV_HUGEPAGE), so a long use maps 2 MiB per
-    TLB entry instead of 4 KiB, and reading it far from the core is not page walks.
-    A touch past the first huge page makes a whole one resident: at most HUGE_PAGE more
-    than what is used, and only once HUGE_PAGE is. Best effort: without transparent huge
-    pages it is plain ``zeros``."""
+    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py), in a
+    mapping of its own that starts on a HUGE_PAGE boundary, so that ``ask_huge_pages`` can
+    have its first bytes backed by huge pages as the cache grows into them."""
     dtype = np.dtype(dtype)
     shape = (shape,) if np.isscalar(shape) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes <= HUGE_PAGE:
+    if nbytes < HUGE_PAGE:
         return zeros(shape, dtype)
     pages = ZeroPages(-1, nbytes + HUGE_PAGE)
     raw = np.frombuffer(pages, dtype=np.uint8)
     offset = (-raw.ctypes.data) % HUGE_PAGE        # huge pages are aligned to their size
-    start = offset + HUGE_PAGE
-    try:
-        pages.madvise(mmap.MADV_HUGEPAGE, start, len(pages) - start)
-    except (AttributeError, OSError):               # no MADV_HUGEPAGE here: small pages
-        pass
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def ask_huge_pages(array, nbytes):
+    """Ask (MADV_HUGEPAGE) that the whole huge pages within the first ``nbytes`` of a
+    ``zeros_growing`` array come as huge pages: each then becomes resident whole at its first
+    touch (2 MiB per TLB entry instead of 4 KiB; a long context's decode step reads tens of MB
+    of cache, and in small pages much of that time is page walks). Pages already touched stay
+    small. The caller asks only for bytes it is about to use, so nothing resident is unused.
+    Best effort: False where the array has no mapping of its own or the kernel refuses."""
+    base = array
+    while base is not None and not isinstance(base, ZeroPages):   # views, then frombuffer's memoryview
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None:
+        return False
+    length = min(nbytes, array.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if array.ctypes.data % HUGE_PAGE or not length:
+        return False
+    start = array.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data   # into the mapping
+    try:
+        base.madvise(mmap.MADV_HUGEPAGE, start, length)
+    except (AttributeError, OSError):               # no MADV_HUGEPAGE here: small pages
+        return False
+    return True
 
 
 class ZeroPages(mmap.mmap):

@@ -142,24 +142,48 @@ def test_a_layers_block_sits_beside_the_other_layers_block():
         assert blocks == [1, 2, 3, 4, 5]
 
 
-def test_growing_zeros_take_huge_pages_only_past_the_first():
-    """buffers.zeros_growing: a use within the first HUGE_PAGE bytes makes no huge page
-    resident (a short context costs what it touches), a use past it does (a long one maps
-    2 MiB per TLB entry), where the kernel gives huge pages to anonymous memory on request."""
-    from llambda.runtime.buffers import HUGE_PAGE, zeros_growing
+def skip_without_huge_pages():
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 pytest.skip("transparent huge pages are off on this machine")
     except OSError:
         pytest.skip("no transparent huge pages on this kernel")
-    cache = zeros_growing((4 * HUGE_PAGE + 4096,), np.uint8)
-    assert not cache.any()
+
+
+def test_growing_zeros_take_huge_pages_only_where_asked():
+    """buffers.zeros_growing stays in small pages; ask_huge_pages(a, n) makes each whole huge
+    page within a's first n bytes resident whole at its first touch, and no other."""
+    from llambda.runtime.buffers import HUGE_PAGE, ask_huge_pages, zeros_growing
+    skip_without_huge_pages()
+    cache = zeros_growing((5 * HUGE_PAGE,), np.uint8)
+    assert cache.ctypes.data % HUGE_PAGE == 0
     cache[:HUGE_PAGE:4096] = 1
     assert resident_huge_bytes(cache) == 0
+    assert ask_huge_pages(cache, 3 * HUGE_PAGE + 12345)      # pages 0..2; 0 is already touched
     fell_back = huge_page_faults_fell_back()
-    cache[HUGE_PAGE:3 * HUGE_PAGE:4096] = 1
+    cache[::4096] = 1
     if huge_page_faults_fell_back() > fell_back:
         pytest.skip("the kernel had no free huge page just now (thp_fault_fallback rose)")
-    assert resident_huge_bytes(cache) >= HUGE_PAGE
-    assert cache[:3 * HUGE_PAGE:4096].all() and not cache[3 * HUGE_PAGE:].any()
+    assert resident_huge_bytes(cache) == 2 * HUGE_PAGE
+    assert not ask_huge_pages(np.zeros(HUGE_PAGE, np.uint8), HUGE_PAGE)   # no mapping of its own
+
+
+def test_the_pool_asks_for_huge_pages_only_where_blocks_were_handed_out():
+    """A short sequence's cache stays in small pages (it costs what it touches); a long one
+    gets the whole huge pages its blocks fill, asked for before they are written."""
+    from llambda.runtime.buffers import HUGE_PAGE
+    skip_without_huge_pages()
+    config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
+    p = KVPool(config, 400, 2, 300 * B)                       # f32: 24 KiB a block, 9.6 MB
+    _, blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
+    p.k[0][blocks] = 1.0
+    assert resident_huge_bytes(p.k[0]) == 0
+    fell_back = huge_page_faults_fell_back()
+    _, blocks, _, _ = p.open(list(range(1000, 1000 + 200 * B)), 200 * B)
+    for layer in range(config.n_layer):
+        p.k[layer][blocks] = 1.0
+    if huge_page_faults_fell_back() > fell_back:
+        pytest.skip("the kernel had no free huge page just now (thp_fault_fallback rose)")
+    # blocks 0..205 end at 4.8 MiB: huge page 1 whole (huge page 0 had small pages already)
+    assert resident_huge_bytes(p.k[0]) == HUGE_PAGE

@@ -42,9 +42,10 @@ def arenas(kv, keys, shuffle, rng):
 
 
 def cache_copy(array):
-    """``array`` in memory allocated as the KV pool allocates its cache (huge pages past the first)."""
+    """``array`` in memory allocated as the KV pool allocates a long cache (in huge pages)."""
     from llambda.runtime import buffers
     out = buffers.zeros_growing(array.shape, array.dtype)
+    buffers.ask_huge_pages(out, out.nbytes)
     out[...] = array
     return out
 

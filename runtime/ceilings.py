@@ -55,14 +55,8 @@ def int8_peak_gops(isa="avx2"):
 def stream_buffers(threads, nbytes):
     """One buffer of nbytes per thread, every page written: a page of fresh zeros that was
     never written is the kernel's one shared zero page, and reading it streams no memory
-    at all (buffers.zeros maps such pages). They are in huge pages where the kernel has them
-    (``buffers.ask_huge_pages``), as the weights and a long KV cache are: in 4 KiB pages the
-    probe would time page walks as much as memory."""
-    bufs = [buffers.zeros_growing(nbytes // 4) for _ in range(threads)]
-    for buf in bufs:
-        buffers.ask_huge_pages(buf, buf.nbytes)
-        buf[...] = 1.0
-    return bufs
+    at all (buffers.zeros maps such pages)."""
+    return [buffers.full(nbytes // 4, 1.0) for _ in range(threads)]
 
 
 def read_bandwidth_gbs(threads=1, nbytes=256 << 20, reps=3):

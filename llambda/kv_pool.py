@@ -5,11 +5,11 @@ of every layer belongs to the same sequence, so one block table per sequence (a 
 ``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
 Each layer's K (and V) arena is a view of one buffer ``[n_blocks, n_layer, ...]`` that keeps
 block b of every layer together. Free blocks are handed out lowest first and reused last
-freed first, so the blocks in use stay packed at the buffer's start; once blocks have been
-handed out up to a huge page's end, that whole huge page is asked for (``buffers.
-ask_huge_pages``, before the blocks are written): a long context's decode step reads tens
-of MB of cache, and in small pages much of that time is page walks. A short context stays
-in small pages and costs only what it touches.
+freed first, so the blocks in use stay packed at the buffer's start. Each 2 MiB of the
+buffers whose blocks have all been written is collapsed into a huge page (``filled``,
+``buffers.collapse_huge_pages``): a long context's decode step reads tens of MB of cache,
+and in small pages much of that time is page walks. Resident memory stays what was written:
+a short context stays in small pages.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before
@@ -28,6 +28,7 @@ from collections import OrderedDict
 import numpy as np
 
 from llambda.runtime import buffers
+from llambda.runtime.buffers import HUGE_PAGE
 from llambda.codegen.contract import KV_BLOCK, KV_Q8_BLOCK, kv_q8_row_bytes
 
 TRASH_BLOCK = 0
@@ -74,7 +75,9 @@ class KVPool:
         self._v_blocks = buffers.zeros_growing(every_layer, dtype)
         self.k = [self._k_blocks[:, layer] for layer in range(c.n_layer)]
         self.v = [self._v_blocks[:, layer] for layer in range(c.n_layer)]
-        self._handed_out = 1              # blocks below this have been handed out (block 0 too)
+        self._block_bytes = self._k_blocks[0].nbytes       # one block of every layer
+        self._written = np.zeros(n_blocks, bool)            # every position of the block stored
+        self._written[TRASH_BLOCK] = True                   # padding rows store there every step
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
@@ -135,7 +138,6 @@ class KVPool:
             self._idle.pop(block, None)
             self._refs[block] += 1
         blocks = shared + [self._take() for _ in range(fresh)]
-        self._grow_into(max(blocks, default=0) + 1)
         table = self._free_tables.pop()
         self.tables[table, :] = TRASH_BLOCK
         self.tables[table, :len(blocks)] = blocks
@@ -151,6 +153,7 @@ class KVPool:
             key = block_key(keys[-1] if keys else b"", tokens[b * KV_BLOCK:(b + 1) * KV_BLOCK])
             keys.append(key)
             block = blocks[b]
+            self.filled([block])
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key] = block
                 self._key_of[block] = key
@@ -168,12 +171,20 @@ class KVPool:
         self.tables[table, :] = TRASH_BLOCK
         self._free_tables.append(table)
 
-    def _grow_into(self, high):
-        """Huge pages for the buffers' whole huge pages below block ``high``."""
-        if high > self._handed_out:
-            self._handed_out = high
-            for buffer in (self._k_blocks, self._v_blocks):
-                buffers.ask_huge_pages(buffer, high * buffer[0].nbytes)
+    def filled(self, blocks):
+        """Note that every position of ``blocks`` has been stored (``seal`` does, for the
+        engine's sequences): each huge page of the buffers whose blocks are now all written
+        is collapsed into one, once."""
+        size = self._block_bytes
+        for block in blocks:
+            if self._written[block]:
+                continue
+            self._written[block] = True
+            for page in range(block * size // HUGE_PAGE, ((block + 1) * size - 1) // HUGE_PAGE + 1):
+                lo, hi = page * HUGE_PAGE // size, ((page + 1) * HUGE_PAGE - 1) // size + 1
+                if hi <= self.n_blocks and self._written[lo:hi].all():
+                    for buffer in (self._k_blocks, self._v_blocks):
+                        buffers.collapse_huge_pages(buffer, page * HUGE_PAGE, (page + 1) * HUGE_PAGE)
 
     def _take(self):
         if self._free:

@@ -177,7 +177,7 @@ class TransformerModel:
             opened = self.kv.open([], self.n_ctx)
             if opened is None:
                 raise ValueError("the KV cache is full: no room for the model's own sequence")
-            self._direct_table = opened[0]
+            self._direct_table, self._direct_blocks = opened[0], opened[1]
         chunk = self.max_heads if all_logits else self.max_batch
         rows = []
         for at in range(0, len(ids), chunk):
@@ -191,6 +191,8 @@ class TransformerModel:
             else:
                 self.head_rows[0] = n - 1
                 logits = self.step(n, 1)[0]
+        end = pos0 + len(ids)
+        self.kv.filled(self._direct_blocks[pos0 // KV_BLOCK:end // KV_BLOCK])
         return np.concatenate(rows) if all_logits else logits
 
     def _softcapped(self, logits):

@@ -28,9 +28,9 @@ def zeros(shape, dtype=np.float32, align=ALIGNMENT):
 
 
 def zeros_growing(shape, dtype=np.float32):
-    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py), in a
-    mapping of its own that starts on a HUGE_PAGE boundary, so that ``ask_huge_pages`` can
-    have its first bytes backed by huge pages as the cache grows into them."""
+    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py), in
+    small pages, in a mapping of its own that starts on a HUGE_PAGE boundary, so that
+    ``collapse_huge_pages`` can turn the parts it has filled into huge pages."""
     dtype = np.dtype(dtype)
     shape = (shape,) if np.isscalar(shape) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -42,25 +42,27 @@ def zeros_growing(shape, dtype=np.float32):
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def ask_huge_pages(array, nbytes):
-    """Ask (MADV_HUGEPAGE) that the whole huge pages within the first ``nbytes`` of a
-    ``zeros_growing`` array come as huge pages: each then becomes resident whole at its first
-    touch (2 MiB per TLB entry instead of 4 KiB; a long context's decode step reads tens of MB
-    of cache, and in small pages much of that time is page walks). Pages already touched stay
-    small. The caller asks only for bytes it is about to use, so nothing resident is unused.
-    Best effort: False where the array has no mapping of its own or the kernel refuses."""
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)    # Linux 6.1; Python's mmap names it from 3.13
+
+
+def collapse_huge_pages(array, start, end):
+    """Copy the small pages of each whole huge page within bytes [start, end) of a
+    ``zeros_growing`` array into one huge page (MADV_COLLAPSE) and free them: the same bytes
+    and the same resident memory, mapped by one TLB entry per 2 MiB instead of 512. A long
+    context's decode step reads tens of MB of cache, and in small pages much of that time is
+    page walks. Best effort: False where the array has no mapping of its own, or the kernel
+    has no huge page free or no MADV_COLLAPSE."""
     base = array
     while base is not None and not isinstance(base, ZeroPages):   # views, then frombuffer's memoryview
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-    if base is None:
+    at = array.ctypes.data
+    first = -(-(at + max(start, 0)) // HUGE_PAGE) * HUGE_PAGE
+    last = (at + min(end, array.nbytes)) // HUGE_PAGE * HUGE_PAGE
+    if base is None or last <= first:
         return False
-    length = min(nbytes, array.nbytes) // HUGE_PAGE * HUGE_PAGE
-    if array.ctypes.data % HUGE_PAGE or not length:
-        return False
-    start = array.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data   # into the mapping
     try:
-        base.madvise(mmap.MADV_HUGEPAGE, start, length)
-    except (AttributeError, OSError):               # no MADV_HUGEPAGE here: small pages
+        base.madvise(MADV_COLLAPSE, first - np.frombuffer(base, dtype=np.uint8).ctypes.data, last - first)
+    except OSError:
         return False
     return True
 

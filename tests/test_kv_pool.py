@@ -107,16 +107,17 @@ def test_random_open_seal_close_keeps_the_books(ops):
     assert not p.tables.any()
 
 
-def resident_huge_bytes(array):
-    """AnonHugePages of the mappings that hold ``array`` (/proc/self/smaps: an madvise of part
-    of a mapping splits it in two)."""
-    first, last, overlaps, huge = array.ctypes.data, array.ctypes.data + array.nbytes, False, 0
+def resident_huge_bytes(*arrays):
+    """AnonHugePages of the mappings that hold ``arrays``, each counted once (/proc/self/smaps;
+    the kernel merges adjacent anonymous mappings, so K's and V's buffers may share one)."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    overlaps, huge = False, 0
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 start, end = (int(x, 16) for x in head.split("-"))
-                overlaps = start < last and first < end
+                overlaps = any(start < last and first < end for first, last in spans)
             elif overlaps and head == "AnonHugePages:":
                 huge += int(line.split()[1]) << 10
     return huge
@@ -142,6 +143,16 @@ def test_a_layers_block_sits_beside_the_other_layers_block():
         assert blocks == [1, 2, 3, 4, 5]
 
 
+def skip_unless_collapsing_works():
+    """Skip where this kernel cannot collapse a written huge page of a zeros_growing array."""
+    from llambda.runtime.buffers import HUGE_PAGE, collapse_huge_pages, zeros_growing
+    skip_without_huge_pages()
+    probe = zeros_growing((2 * HUGE_PAGE,), np.uint8)
+    probe[::4096] = 1
+    if not collapse_huge_pages(probe, 0, HUGE_PAGE) or not resident_huge_bytes(probe):
+        pytest.skip("the kernel collapses nothing here (no MADV_COLLAPSE, or no free huge page)")
+
+
 def skip_without_huge_pages():
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -151,39 +162,42 @@ def skip_without_huge_pages():
         pytest.skip("no transparent huge pages on this kernel")
 
 
-def test_growing_zeros_take_huge_pages_only_where_asked():
-    """buffers.zeros_growing stays in small pages; ask_huge_pages(a, n) makes each whole huge
-    page within a's first n bytes resident whole at its first touch, and no other."""
-    from llambda.runtime.buffers import HUGE_PAGE, ask_huge_pages, zeros_growing
+def test_collapsing_makes_the_whole_huge_pages_of_a_range_huge_and_keeps_the_bytes():
+    """buffers.zeros_growing is small pages; collapse_huge_pages(a, start, end) makes each whole
+    huge page within [start, end) one huge page, no other, with the same bytes."""
+    from llambda.runtime.buffers import HUGE_PAGE, collapse_huge_pages, zeros_growing
     skip_without_huge_pages()
     cache = zeros_growing((5 * HUGE_PAGE,), np.uint8)
     assert cache.ctypes.data % HUGE_PAGE == 0
-    cache[:HUGE_PAGE:4096] = 1
+    cache[::4096] = np.arange(len(cache[::4096])) % 251
+    want = cache.copy()
     assert resident_huge_bytes(cache) == 0
-    assert ask_huge_pages(cache, 3 * HUGE_PAGE + 12345)      # pages 0..2; 0 is already touched
-    fell_back = huge_page_faults_fell_back()
-    cache[::4096] = 1
-    if huge_page_faults_fell_back() > fell_back:
-        pytest.skip("the kernel had no free huge page just now (thp_fault_fallback rose)")
+    if not collapse_huge_pages(cache, HUGE_PAGE - 1, 4 * HUGE_PAGE - 1):     # pages 1 and 2
+        pytest.skip("the kernel collapsed nothing (no MADV_COLLAPSE, or no free huge page)")
     assert resident_huge_bytes(cache) == 2 * HUGE_PAGE
-    assert not ask_huge_pages(np.zeros(HUGE_PAGE, np.uint8), HUGE_PAGE)   # no mapping of its own
+    np.testing.assert_array_equal(cache, want)
+    assert not collapse_huge_pages(np.zeros(HUGE_PAGE, np.uint8), 0, HUGE_PAGE)   # no mapping of its own
 
 
-def test_the_pool_asks_for_huge_pages_only_where_blocks_were_handed_out():
-    """A short sequence's cache stays in small pages (it costs what it touches); a long one
-    gets the whole huge pages its blocks fill, asked for before they are written."""
+def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
+    """A short sequence's cache stays in small pages; a long one's fills whole huge pages,
+    each collapsed once every block in it has been written (sealed), with nothing resident
+    that was not written."""
     from llambda.runtime.buffers import HUGE_PAGE
-    skip_without_huge_pages()
+    skip_unless_collapsing_works()
     config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
     p = KVPool(config, 400, 2, 300 * B)                       # f32: 24 KiB a block, 9.6 MB
-    _, blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
-    p.k[0][blocks] = 1.0
-    assert resident_huge_bytes(p.k[0]) == 0
-    fell_back = huge_page_faults_fell_back()
-    _, blocks, _, _ = p.open(list(range(1000, 1000 + 200 * B)), 200 * B)
-    for layer in range(config.n_layer):
-        p.k[layer][blocks] = 1.0
-    if huge_page_faults_fell_back() > fell_back:
-        pytest.skip("the kernel had no free huge page just now (thp_fault_fallback rose)")
-    # blocks 0..205 end at 4.8 MiB: huge page 1 whole (huge page 0 had small pages already)
-    assert resident_huge_bytes(p.k[0]) == HUGE_PAGE
+
+    def write(tokens):
+        table, blocks, keys, _ = p.open(tokens, len(tokens))
+        for layer in range(config.n_layer):
+            p.k[layer][blocks] = 1.0
+            p.v[layer][blocks] = 1.0
+        p.seal(blocks, keys, tokens)
+        return blocks
+
+    write(list(range(5 * B)))
+    assert resident_huge_bytes(p.k[0], p.v[0]) == 0
+    blocks = write(list(range(1000, 1000 + 200 * B)))      # blocks 6..205: up to 4.9 MiB
+    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 2 * HUGE_PAGE      # K's and V's first two
+    assert max(blocks) == 205 and (p.k[0][1:206] == 1.0).all()

@@ -42,11 +42,11 @@ def arenas(kv, keys, shuffle, rng):
 
 
 def cache_copy(array):
-    """``array`` in memory allocated as the KV pool allocates a long cache (in huge pages)."""
+    """``array`` in memory as the KV pool keeps a long cache (written, then in huge pages)."""
     from llambda.runtime import buffers
     out = buffers.zeros_growing(array.shape, array.dtype)
-    buffers.ask_huge_pages(out, out.nbytes)
     out[...] = array
+    buffers.collapse_huge_pages(out, 0, out.nbytes)
     return out
 
 

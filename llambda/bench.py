@@ -227,6 +227,47 @@ SWEEP_TOKENS = 32
 SWEEP_KV_TYPES = ("f16", "q8_0", "f32")      # the default first
 
 
+def read_per_token(config, weight_bytes, context, kv_type):
+    """Bytes a decode step reads at ``context`` keys: every weight once, and the whole KV cache
+    (K and V of every layer) up to the step's position."""
+    from .kv_pool import KVPool
+    from .codegen.contract import KV_BLOCK
+    return weight_bytes + KVPool.block_bytes(config, kv_type) / KV_BLOCK * context
+
+
+def sweep_floors(config, weight_bytes, contexts, kv_types, read_gbs):
+    """The memory's floor under each sweep row: the bytes a step reads at the decode window's
+    middle position, and the tok/s at which ``read_gbs(nbytes)`` (a read loop over a buffer of
+    that size: the working set decides how much the caches hold) delivers them."""
+    rows = []
+    for ctx in contexts:
+        for kv in kv_types:
+            nbytes = read_per_token(config, weight_bytes, ctx + SWEEP_TOKENS / 2, kv)
+            gbs = read_gbs(int(nbytes))
+            rows.append(dict(context=ctx, kv=kv, mb=nbytes / 1e6, gbs=gbs, floor=gbs * 1e9 / nbytes))
+    return rows
+
+
+def _floor_table(floors, rows, threads):
+    """Markdown: each (context, KV type)'s floor, its fraction of the same type's floor at the
+    shortest context, and llambda's speed as a fraction of it."""
+    speed = {(r["context"], e.split(":")[1]): r[e] for r in rows for e in r if e.startswith("llambda:")}
+    first = {f["kv"]: f["floor"] for f in floors if f["context"] == floors[0]["context"]}
+    lines = [f"The memory's floor: bytes read per token (weights and the KV cache at the decode window's "
+             f"middle), over what `llb_probe_read__avx2` reads from a buffer of that size on {threads} "
+             "thread(s) (the working set decides how much of it the caches hold); (x) = the fraction of the "
+             f"same cache type's floor at {floors[0]['context']}: the fraction above for an engine that "
+             "reads at the probe's rate at every context.", "",
+             "| context | KV | MB per token | read rate (GB/s) | floor (tok/s) | llambda / floor |",
+             "|---|---|---|---|---|---|"]
+    for f in floors:
+        done = speed.get((f["context"], f["kv"]))
+        share = "-" if done is None else f"{done / f['floor']:.2f}"
+        lines.append(f"| {f['context']} | {f['kv']} | {f['mb']:.1f} | {f['gbs']:.1f} | "
+                     f"{f['floor']:.1f} ({f['floor'] / first[f['kv']]:.2f}) | {share} |")
+    return "\n".join(lines)
+
+
 def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     """Decode speed as the context grows (attention reads the whole KV cache per token), for
     each KV cache type, beside llama.cpp (its default f16 cache, flash attention on)."""
@@ -257,6 +298,17 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
             line += f" | {r['llambda:f16'] / r['llama.cpp']:.2f}x"
         lines.append(line + " |")
     print("\n".join(lines), file=out)
+    from llambda.runtime import ceilings
+    config, weight_bytes, _ = _model_costs(model_path)
+    rates = {}
+
+    def read_gbs(nbytes):
+        size = -(-nbytes // (4 << 20)) * (4 << 20)          # 4 MiB steps: nearby sizes share a probe
+        if size not in rates:
+            rates[size] = ceilings.read_bandwidth_gbs(threads, nbytes=size)
+        return rates[size]
+    floors = sweep_floors(config, weight_bytes, SWEEP_CONTEXTS, SWEEP_KV_TYPES, read_gbs)
+    print("\n" + _floor_table(floors, rows, threads), file=out)
     return rows
 
 

@@ -104,3 +104,32 @@ def test_the_bandwidth_probe_reads_memory_not_the_zero_page():
     from llambda.runtime import ceilings
     for buf in ceilings.stream_buffers(2, 1 << 20):
         assert buf.nbytes >= (1 << 20) - 4 and (buf == 1.0).all()
+
+
+def test_the_sweeps_floor_counts_weights_and_the_cache_up_to_the_window_middle():
+    """sweep_floors: weights once plus K and V of every layer per position, at the decode
+    window's middle, over the read rate at that size; the floor table's (x) and llambda's
+    fraction of its floor come from those."""
+    from types import SimpleNamespace
+    config = SimpleNamespace(n_layer=30, n_kv_head=3, head_dim=64)
+    per_position = {"f32": 30 * 2 * 3 * 64 * 4, "f16": 30 * 2 * 3 * 64 * 2, "q8_0": 30 * 2 * 3 * (64 + 8)}
+    seen = []
+
+    def read_gbs(nbytes):
+        seen.append(nbytes)
+        return 40.0 if nbytes < 150e6 else 30.0
+    floors = bench.sweep_floors(config, 96e6, (128, 4096), ("f16", "q8_0", "f32"), read_gbs)
+    for f in floors:
+        want = 96e6 + per_position[f["kv"]] * (f["context"] + bench.SWEEP_TOKENS / 2)
+        assert f["mb"] == pytest.approx(want / 1e6)
+        assert f["floor"] == pytest.approx(f["gbs"] * 1e9 / want)
+    assert seen == [int(f["mb"] * 1e6) for f in floors]
+    long_f16 = next(f for f in floors if f["context"] == 4096 and f["kv"] == "f16")
+    assert long_f16["gbs"] == 30.0 and long_f16["mb"] == pytest.approx(96 + 0.02304 * 4112, rel=1e-3)
+    rows = [{"context": 128, "llambda:f16": 100.0, "llambda:q8_0": 100.0, "llambda:f32": 100.0},
+            {"context": 4096, "llambda:f16": 50.0, "llambda:q8_0": 60.0, "llambda:f32": 40.0}]
+    table = bench._floor_table(floors, rows, 2)
+    short_f16 = next(f for f in floors if f["context"] == 128 and f["kv"] == "f16")
+    line = next(l for l in table.splitlines() if l.startswith("| 4096 | f16 |"))
+    assert f"({long_f16['floor'] / short_f16['floor']:.2f})" in line
+    assert line.endswith(f"| {50.0 / long_f16['floor']:.2f} |")

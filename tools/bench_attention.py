@@ -5,7 +5,7 @@
                              [--isa avx2|avx512] [--lib A.so --lib B.so] [--shuffle] [--rounds 3]
 
 SmolLM2-135M's attention shape (9 query heads on 3 KV heads of head_dim 64), scale 1/8.
-``--layers N`` makes N copies of the arenas and calls them in turn, as a decode step walks
+``--layers N`` makes N layers of arenas (as the KV pool lays them out) and calls them in turn, as a decode step walks
 its layers: with 30 the cache comes from memory (what long-context decode sees), with 1 it
 stays near the core once warm (the arithmetic's cost). Block tables are sequential, as one
 sequence's blocks come from a fresh pool; ``--shuffle`` permutes them.
@@ -25,29 +25,32 @@ N_HEAD, N_KV, HEAD_DIM, SCALE = 9, 3, 64, 0.125
 BUDGET_S = 0.2
 
 
-def arenas(kv, keys, shuffle, rng):
-    """(key arena, value arena, tables [1, blocks]) holding ``keys`` random keys."""
+def arenas(kv, keys, layers, shuffle, rng):
+    """[(key arena, value arena, tables [1, blocks])] per layer, each holding ``keys`` random
+    keys, laid out as llambda/kv_pool.py keeps a long cache: each layer's arenas are views of
+    one buffer per K and V holding block b of every layer together, written, then collapsed
+    into huge pages."""
     from llambda.runtime import buffers
     from llambda.codegen.contract import KV_BLOCK
     from llambda.runtime.ref import paged as ref
     blocks = -(-keys // KV_BLOCK)
-    rows = rng.standard_normal((blocks, N_KV, KV_BLOCK, HEAD_DIM)).astype(np.float32)
-    if kv == "q8_0":
-        rows = ref.quantize_kv_q8(rows)
-    elif kv == "f16":
-        rows = rows.astype(np.float16)
+    k_all = v_all = None
+    for layer in range(layers):
+        rows = rng.standard_normal((blocks, N_KV, KV_BLOCK, HEAD_DIM)).astype(np.float32)
+        if kv == "q8_0":
+            rows = ref.quantize_kv_q8(rows)
+        elif kv == "f16":
+            rows = rows.astype(np.float16)
+        if k_all is None:
+            k_all = buffers.zeros_growing((blocks, layers) + rows.shape[1:], rows.dtype)
+            v_all = buffers.zeros_growing(k_all.shape, rows.dtype)
+        k_all[:, layer] = ref.key_tiles(rows, HEAD_DIM)
+        v_all[:, layer] = rows
+    for buffer in (k_all, v_all):
+        buffers.collapse_huge_pages(buffer, 0, buffer.nbytes)
     order = rng.permutation(blocks) if shuffle else np.arange(blocks)
     tables = buffers.aligned_copy(order.astype(np.int32)[None, :])
-    return cache_copy(ref.key_tiles(rows, HEAD_DIM)), cache_copy(rows), tables
-
-
-def cache_copy(array):
-    """``array`` in memory as the KV pool keeps a long cache (written, then in huge pages)."""
-    from llambda.runtime import buffers
-    out = buffers.zeros_growing(array.shape, array.dtype)
-    out[...] = array
-    buffers.collapse_huge_pages(out, 0, out.nbytes)
-    return out
+    return [(k_all[:, layer], v_all[:, layer], tables) for layer in range(layers)]
 
 
 def main(argv=None):
@@ -73,7 +76,7 @@ def main(argv=None):
     print(f"|---|---|---|{'---|' * len(libs)}")
     for kv in args.kv.split(","):
         for keys in [int(k) for k in args.keys.split(",")]:
-            sets = [arenas(kv, keys, args.shuffle, rng) for _ in range(args.layers)]
+            sets = arenas(kv, keys, args.layers, args.shuffle, rng)
             q = buffers.aligned_copy(rng.standard_normal((1, N_HEAD, HEAD_DIM)).astype(np.float32))
             out = buffers.zeros(q.shape)
             scratch = paged.paged_attention_scratch(keys, HEAD_DIM)

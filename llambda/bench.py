@@ -194,7 +194,10 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     prefill_isa = widest_qgemm_isa()                  # the int8 kernels prefill runs on
     peaks = dict(fma=ceilings.fma_peak_gflops(), fma_zmm=ceilings.fma_peak_gflops("avx512"),
                  int8=ceilings.int8_peak_gops(prefill_isa), int8_isa=prefill_isa,
-                 bw={t: ceilings.read_bandwidth_gbs(t) for t in threads})
+                 bw={t: ceilings.read_bandwidth_gbs(t) for t in threads},
+                 # the same loop over a buffer of what a decode step reads: at a model's size the
+                 # caches may hold part of it, which a 256 MB buffer never sees
+                 bw_model={t: ceilings.read_bandwidth_gbs(t, nbytes=_probe_size(bytes_per_token)) for t in threads})
 
     results = {(e, t): [] for e in engines for t in threads}
     with busy_core(busy_cpu):
@@ -208,7 +211,7 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
                   ceilings=dict(fma_gflops_per_core=peaks["fma"], fma_zmm_gflops_per_core=peaks["fma_zmm"],
                                 int8_gops_per_core=peaks["int8"], int8_isa=peaks["int8_isa"],
-                                read_gbs=peaks["bw"]),
+                                read_gbs=peaks["bw"], read_gbs_at_model_size=peaks["bw_model"]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
                   gen_tokens=gen_tokens, busy_cpu=busy_cpu,
                   n_ctx=n_ctx, rows=rows)
@@ -303,13 +306,18 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     rates = {}
 
     def read_gbs(nbytes):
-        size = -(-nbytes // (4 << 20)) * (4 << 20)          # 4 MiB steps: nearby sizes share a probe
+        size = _probe_size(nbytes)
         if size not in rates:
             rates[size] = ceilings.read_bandwidth_gbs(threads, nbytes=size)
         return rates[size]
     floors = sweep_floors(config, weight_bytes, SWEEP_CONTEXTS, SWEEP_KV_TYPES, read_gbs)
     print("\n" + _floor_table(floors, rows, threads), file=out)
     return rows
+
+
+def _probe_size(nbytes):
+    """A read probe's buffer for ``nbytes``: rounded up to 4 MiB, so nearby sizes share a probe."""
+    return -(-int(nbytes) // (4 << 20)) * (4 << 20)
 
 
 def _machine():
@@ -341,6 +349,8 @@ def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peak
             decode_ceiling = peaks["bw"][t] * 1e9 / bytes_per_token
             prefill_ceiling = peaks["int8"] * 1e9 * t / flops_per_token
             row["decode_pct_ceiling"] = row["decode_tok_s"]["median"] / decode_ceiling
+            row["decode_pct_model_read"] = (row["decode_tok_s"]["median"] * bytes_per_token
+                                            / (peaks["bw_model"][t] * 1e9))
             row["prefill512_pct_ceiling"] = row["prefill512_tok_s"]["median"] / prefill_ceiling
             rows.append(row)
     return rows
@@ -354,7 +364,9 @@ def _markdown(report, engines, threads):
              + (f" ({c['fma_zmm_gflops_per_core']:.0f} with zmm)" if c.get("fma_zmm_gflops_per_core") else "")
              + f", INT8 "
              f"{c['int8_gops_per_core']:.0f} GOP/s/core ({INT8_IDIOM[c['int8_isa']]}, what prefill runs on), read "
-             + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items())
+             + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items()) + " over 256 MB, "
+             + ", ".join(f"{v:.1f} ({t} thr)" for t, v in c["read_gbs_at_model_size"].items())
+             + " over the model's size"
              + f"; {report['bytes_per_token'] / 1e6:.1f} MB read and "
              f"{report['flops_per_token'] / 1e9:.2f} GFLOP per token"]
     lines[-1] += "  "
@@ -385,7 +397,8 @@ def _markdown(report, engines, threads):
     for t in threads:
         for e in engines:
             r = by[(e, t)]
-            lines.append(f"- {e}, {t} thread(s): decode at {r['decode_pct_ceiling']:.0%} of the bandwidth ceiling, "
+            lines.append(f"- {e}, {t} thread(s): decode at {r['decode_pct_ceiling']:.0%} of the bandwidth ceiling "
+                         f"({r['decode_pct_model_read']:.0%} of the read rate over the model's size), "
                          f"prefill 512 at {r['prefill512_pct_ceiling']:.0%} of the INT8 ceiling")
     return "\n".join(lines)
 

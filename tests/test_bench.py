@@ -31,10 +31,17 @@ def test_bench_reports_every_figure(tiny):
             assert row[key]["min"] <= row[key]["median"] <= row[key]["max"]
             assert row[key]["median"] > 0
     assert parsed["ceilings"]["fma_gflops_per_core"] > 0
+    assert set(parsed["ceilings"]["read_gbs_at_model_size"]) == {"1", "2"}
+    for row in llambda_rows:
+        t = str(row["threads"])
+        want = row["decode_tok_s"]["median"] * parsed["bytes_per_token"] / (
+            parsed["ceilings"]["read_gbs_at_model_size"][t] * 1e9)
+        assert row["decode_pct_model_read"] == pytest.approx(want)
 
     table = bench._markdown(report, [r["engine"] for r in parsed["rows"] if r["threads"] == 1], (1, 2))
     assert "| decode 8 (tok/s) | 2 |" in table
     assert "| start-up to first token of 'Hi' (ms) | 1 |" in table
+    assert "of the read rate over the model's size" in table and "over the model's size;" in table
 
 
 def test_bench_rejects_a_converted_file(tiny, tmp_path):

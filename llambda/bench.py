@@ -315,9 +315,13 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     return rows
 
 
+PROBE_MAX = 1 << 30          # past this no cache holds a useful share: the rate is the memory's
+
+
 def _probe_size(nbytes):
-    """A read probe's buffer for ``nbytes``: rounded up to 4 MiB, so nearby sizes share a probe."""
-    return -(-int(nbytes) // (4 << 20)) * (4 << 20)
+    """A read probe's buffer for ``nbytes``: rounded up to 4 MiB, so nearby sizes share a probe,
+    and at most PROBE_MAX, so a large model's bench does not allocate its size again."""
+    return min(-(-int(nbytes) // (4 << 20)) * (4 << 20), PROBE_MAX)
 
 
 def _machine():

@@ -140,3 +140,10 @@ def test_the_sweeps_floor_counts_weights_and_the_cache_up_to_the_window_middle()
     line = next(l for l in table.splitlines() if l.startswith("| 4096 | f16 |"))
     assert f"({long_f16['floor'] / short_f16['floor']:.2f})" in line
     assert line.endswith(f"| {50.0 / long_f16['floor']:.2f} |")
+
+
+def test_a_read_probe_is_rounded_to_4_mib_and_capped():
+    assert bench._probe_size(1) == 4 << 20
+    assert bench._probe_size((4 << 20) + 1) == 8 << 20
+    assert bench._probe_size(96.6e6) == 96 << 20                  # 96.6 MB is 92.1 MiB
+    assert bench._probe_size(40e9) == bench.PROBE_MAX

@@ -13,7 +13,7 @@ ALIGNMENT = 64
 # mmap threshold, which rises as large blocks are freed (to 32 MiB): past that, calloc takes
 # heap memory and clears it, and a KV cache of many arenas then costs milliseconds at load.
 MAPPED_ZEROS = 256 << 10
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20                 # PMD size on x86-64
 
 
 def empty(shape, dtype=np.float32, align=ALIGNMENT):
@@ -52,13 +52,11 @@ def collapse_huge_pages(array, start, end):
     context's decode step reads tens of MB of cache, and in small pages much of that time is
     page walks. Best effort: False where the array has no mapping of its own, or the kernel
     has no huge page free or no MADV_COLLAPSE."""
-    base = array
-    while base is not None and not isinstance(base, ZeroPages):   # views, then frombuffer's memoryview
-        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    base = mapping_of(array)
     at = array.ctypes.data
     first = -(-(at + max(start, 0)) // HUGE_PAGE) * HUGE_PAGE
     last = (at + min(end, array.nbytes)) // HUGE_PAGE * HUGE_PAGE
-    if base is None or last <= first:
+    if not isinstance(base, ZeroPages) or last <= first:
         return False
     try:
         base.madvise(MADV_COLLAPSE, first - np.frombuffer(base, dtype=np.uint8).ctypes.data, last - first)
@@ -74,6 +72,16 @@ class ZeroPages(mmap.mmap):
 
     def __new__(cls, fileno, length):
         return super().__new__(cls, fileno, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def mapping_of(array):
+    """What ``array``'s memory belongs to under its views: an mmap (a weight file's, or
+    ZeroPages) for a mapped array, else the bottom of its base chain (None for an array that
+    owns its memory)."""
+    base = array
+    while isinstance(base, (np.ndarray, memoryview)):         # views, then frombuffer's memoryview
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return base
 
 
 def _zeros(nbytes, dtype):

@@ -22,9 +22,8 @@ everything works as before. Pages another process has mapped are not dropped.
 import mmap
 import os
 
+from .buffers import HUGE_PAGE
 from .prefault import MADV_POPULATE_READ
-
-HUGE_PAGE = 2 << 20                 # PMD size on x86-64
 
 
 def advise(mapping):

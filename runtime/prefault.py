@@ -15,7 +15,7 @@ import ctypes
 import mmap
 import threading
 
-from .buffers import ZeroPages
+from .buffers import ZeroPages, mapping_of
 
 MADV_POPULATE_READ = 22
 
@@ -24,12 +24,9 @@ def populate_async(arrays):
     """Start populating the page tables of ``arrays``, those of them that are views of a
     file mapping (anonymous memory is left alone: populating it would make it resident);
     returns the thread, or None when there is nothing to do."""
-    import numpy as np
     spans = []
     for a in arrays:
-        base = a
-        while isinstance(base, (np.ndarray, memoryview)):
-            base = base.base if isinstance(base, np.ndarray) else base.obj
+        base = mapping_of(a)
         if isinstance(base, mmap.mmap) and not isinstance(base, ZeroPages) and a.nbytes:
             start = a.__array_interface__["data"][0]
             page = start // mmap.PAGESIZE * mmap.PAGESIZE

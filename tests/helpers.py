@@ -208,3 +208,20 @@ def widest_isa_chosen_under(monkeypatch, cap):
         yield n_quant
     finally:
         n_quant.widest_qgemm_isa.cache_clear()
+
+
+def smaps_bytes(field, spans):
+    """The sum of ``field`` (e.g. "AnonHugePages:") over this process's mappings that overlap
+    any [start, end) of ``spans``, each mapping counted once (/proc/self/smaps), or None when
+    none does. An madvise of part of a mapping splits it, and the kernel merges neighbours."""
+    overlaps, total, found = False, 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                overlaps = any(start < last and first < end for first, last in spans)
+                found = found or overlaps
+            elif overlaps and head == field:
+                total += int(line.split()[1]) << 10
+    return total if found else None

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from helpers import smaps_bytes
 from llambda.codegen.contract import KV_BLOCK
 from llambda.kv_pool import TRASH_BLOCK, KVPool
 
@@ -108,24 +109,8 @@ def test_random_open_seal_close_keeps_the_books(ops):
 
 
 def resident_huge_bytes(*arrays):
-    """AnonHugePages of the mappings that hold ``arrays``, each counted once (/proc/self/smaps;
-    the kernel merges adjacent anonymous mappings, so K's and V's buffers may share one)."""
-    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
-    overlaps, huge = False, 0
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                overlaps = any(start < last and first < end for first, last in spans)
-            elif overlaps and head == "AnonHugePages:":
-                huge += int(line.split()[1]) << 10
-    return huge
-
-
-def huge_page_faults_fell_back():
-    with open("/proc/vmstat") as vmstat:
-        return sum(int(n) for name, n in (line.split() for line in vmstat) if name == "thp_fault_fallback")
+    """AnonHugePages of the mappings that hold ``arrays`` (K's and V's buffers may share one)."""
+    return smaps_bytes("AnonHugePages:", [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays])
 
 
 def test_a_layers_block_sits_beside_the_other_layers_block():

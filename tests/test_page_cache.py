@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from helpers import smaps_bytes
 from llambda.runtime import page_cache, weightfile
 
 SIZE = 8 << 20
@@ -19,15 +20,9 @@ def _pmd_mapped(mapping):
     """Bytes of ``mapping`` (an mmap of a file) that this process maps with huge page-table
     entries: its FilePmdMapped line in /proc/self/smaps."""
     start = np.frombuffer(mapping, np.uint8).ctypes.data
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == start
-            elif inside and head == "FilePmdMapped:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping starts at {start:#x} in /proc/self/smaps")
+    mapped = smaps_bytes("FilePmdMapped:", [(start, start + len(mapping))])
+    assert mapped is not None, f"no mapping holds {start:#x} in /proc/self/smaps"
+    return mapped
 
 
 def _touch(mapping):

@@ -93,30 +93,35 @@ def emit_all(isas=("avx2", "avx512")):
     return kernels
 
 
+def link(functions, obj, library):
+    """Assemble PeachPy ``functions`` into the ELF object ``obj`` and link it as the shared
+    library ``library``; returns them finalized for the System V ABI."""
+    from peachpy.x86_64 import abi as peachpy_abi
+    import peachpy.writer
+
+    system_v = peachpy_abi.system_v_x86_64_abi
+    finalized = []
+    with peachpy.writer.ELFWriter(str(obj), system_v) as writer:
+        for function in functions:
+            finalized.append(function.finalize(system_v))
+            writer.add_function(finalized[-1])
+    subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(library), str(obj)], check=True)
+    return finalized
+
+
 def build(directory, isas=("avx2", "avx512")):
     """Generate, assemble and link the kernel library into ``directory``.
 
     Returns the manifest (a list of dicts, one per kernel)."""
-    from peachpy.x86_64 import abi as peachpy_abi
-    import peachpy.writer
-
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=directory.parent))
     try:
         kernels = emit_all(isas)
-        system_v = peachpy_abi.system_v_x86_64_abi
-        manifest = []
-        obj = tmp / "kernels.o"
-        with peachpy.writer.ELFWriter(str(obj), system_v) as writer:
-            for k in kernels:
-                finalized = k.function.finalize(system_v)
-                writer.add_function(finalized)
-                code = finalized.encode().code_section.content
-                manifest.append(dict(symbol=k.symbol, family=k.family, isa=k.isa, tile=k.tile,
-                                     args=[list(a) for a in k.args], code_bytes=len(code)))
-        subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(tmp / LIBRARY_NAME), str(obj)],
-                       check=True)
+        finalized = link([k.function for k in kernels], tmp / "kernels.o", tmp / LIBRARY_NAME)
+        manifest = [dict(symbol=k.symbol, family=k.family, isa=k.isa, tile=k.tile,
+                         args=[list(a) for a in k.args], code_bytes=len(f.encode().code_section.content))
+                    for k, f in zip(kernels, finalized)]
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
         (tmp / KEY_NAME).write_text(json.dumps({"key": source_key(), "peachpy": peachpy_version()}))
         try:

@@ -73,10 +73,9 @@ def _wide_exp(tmp_path):
     out[i] = exp(x[i]) for n % 16 == 0, built here with PeachPy, since no library kernel
     exposes it alone."""
     import ctypes
-    import subprocess
-    import peachpy.writer
-    from peachpy.x86_64 import ZMMRegister, LOAD, Loop, RETURN, VMOVUPS, ADD, SUB, JNZ, abi
+    from peachpy.x86_64 import ZMMRegister, LOAD, Loop, RETURN, VMOVUPS, ADD, SUB, JNZ
     from peachpy.x86_64 import GeneralPurposeRegister64 as gp
+    from llambda.codegen.build import link
     from llambda.codegen.common import function
     from llambda.codegen.vmath import exp_ps
 
@@ -97,10 +96,8 @@ def _wide_exp(tmp_path):
             SUB(n, 16)
             JNZ(loop.begin)
         RETURN()
-    obj, lib = tmp_path / "wide_exp.o", tmp_path / "wide_exp.so"
-    with peachpy.writer.ELFWriter(str(obj), abi.system_v_x86_64_abi) as writer:
-        writer.add_function(fn.finalize(abi.system_v_x86_64_abi))
-    subprocess.run(["ld", "-shared", "-z", "noexecstack", "-o", str(lib), str(obj)], check=True)
+    lib = tmp_path / "wide_exp.so"
+    link([fn], tmp_path / "wide_exp.o", lib)
     call = ctypes.CDLL(str(lib)).wide_exp
     call.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 

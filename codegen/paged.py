@@ -31,10 +31,12 @@ on, a few lines per step of the dimension loop: a long cache does not fit the ca
 the core and its blocks sit anywhere.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
-q8_0 dequantized and f16 converted as they load) and the softmax on zmm up to the segment's
-last 16 keys, and sums each score in KEY_PARTIALS[True] partials (avx2: KEY_PARTIALS[False]);
-its bits differ from avx2's, so the binding picks the variant per machine and head_dim,
-never per m. The window is one code path: the row sees the last
+f16 converted and q8_0 values dequantized as they load) and the softmax on zmm up to the
+segment's last 16 keys, and sums each score in KEY_PARTIALS[True] partials (avx2:
+KEY_PARTIALS[False]). Its q8_0 scores are integer dot products on AVX512_VNNI of the key's
+quants and q's, each head of q quantized once per row as the store quantizes a row
+(tile_scores_vnni). Its bits differ from avx2's, so the binding picks the variant per
+machine and head_dim, never per m. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
@@ -59,13 +61,16 @@ from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
-                            VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS)
+                            VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS,
+                            VPERMD, VPSHUFB, VPXORD, VPBROADCASTD, VPADDD, VPSUBD, VPSLLD, VPXOR,
+                            VBROADCASTI64X4, VINSERTI64X4)
 from peachpy import Constant
 from peachpy.x86_64 import byte, word, dword
 
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_BLOCK,
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
+from .peachpy_ext import VPDPBUSD, broadcast
 from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA, kv_q8_row_bytes
 from .vmath import exp_ps, first_dword
 
@@ -81,7 +86,8 @@ INDEX = 4                      # bytes of an int32 position, sequence or block i
 # values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
 # A q8_0 arena (codegen/contract.py) holds rows of head_dim int8 quants then one f32 scale
 # per 32: a K or V chunk of 8 is VPMOVSXBD, VCVTDQ2PS, times its block's scale (the f32
-# value d * q), then the same FMAs as f32. It needs head_dim % 32 == 0.
+# value d * q), then the same FMAs as f32 (avx512's scores: tile_scores_vnni instead). It
+# needs head_dim % 32 == 0.
 ARENA_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 ARENA_C_TYPES = {"f16": "uint16_t", "q8_0": "uint8_t"}
 ROUND_NEAREST_EVEN = 0
@@ -92,6 +98,18 @@ PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
 # independent FMA chains for heads x KV_BLOCK / lanes x partials = 12 accumulators.
 KEY_PARTIALS = {True: 4, False: 2}
 SCORE_SLACK = KV_BLOCK              # floats before the first score row: a first block's early lanes
+# q8_0 on AVX512_VNNI (tile_scores_vnni): each head of a tile quantized to a q8_0 row on the
+# stack (quants, scales, then -128 * the sum of each block's quants), Q8_QUERY_ROW bytes apart.
+# Not a multiple of 64: a {1to16} operand's displacement h * Q8_QUERY_ROW + 4 g must not be
+# one (peachpy_ext.broadcast).
+MAX_Q8_QUERY_HEAD_DIM = 1024        # the binding picks avx2 for a larger q8_0 head_dim
+Q8_QUERY_ROW = kv_q8_row_bytes(MAX_Q8_QUERY_HEAD_DIM) + MAX_Q8_QUERY_HEAD_DIM // KV_Q8_BLOCK * 4 + 4
+Q8_GROUP = 4                        # dimensions per vpdpbusd dword
+# A key tile's 64 bytes of 4 dimensions x 16 keys ([d][key]) to 16 dwords of one key's 4
+# dimensions ([key][d]): VPERMD puts dword d * 4 + L (keys 4L..4L+3 of dimension d) in 128-bit
+# lane L, then VPSHUFB transposes each lane's 4 x 4 bytes.
+TRANSPOSE_DWORDS = [d * 4 + lane for lane in range(4) for d in range(4)]
+TRANSPOSE_BYTES = [sum((kk + 4 * d) << (8 * d) for d in range(4)) for kk in range(4)] * 4
 
 ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_arena", "const float*"),
                        ("dest", "float*"), ("scratch", "float*"), ("positions", "const int32_t*"),
@@ -179,6 +197,9 @@ def new_frame(arena, isa="avx2"):
     frame.vec = ZMMRegister if frame.wide else YMMRegister
     frame.chunk = frame.lanes * FLOAT
     frame.q8_chunks = KV_Q8_BLOCK // frame.lanes
+    frame.vnni = frame.q8 and frame.wide
+    if frame.vnni:                                   # the tile's queries as q8_0 rows (tile_scores_vnni)
+        frame.query_rows = LocalVariable(MAX_HEADS * Q8_QUERY_ROW, alignment=8)
     return frame
 
 
@@ -308,6 +329,118 @@ def tile_scores(heads, frame, tile, out, prefetch):
             VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
 
 
+def tile_scores_vnni(heads, frame, tile, out, prefetch):
+    """tile_scores for a q8_0 arena on AVX512_VNNI: out[h][j] = scale * sum_b (d_kb * d_qb) *
+    (k_b . q_b) over the blocks b of 32 dimensions, k_b . q_b exact in int32 from the key's
+    quants and the head's quants (emit_query_quants: q as a q8_0 row, as the store quantizes).
+
+    Each VPDPBUSD adds 4 dimensions of 16 keys: the tile's [d][key] bytes transposed to
+    [key][d] (TRANSPOSE_*), made unsigned by xor 0x80 (k + 128), times the head's 4 quants
+    broadcast; the block's sum starts at -128 * sum(q_b), which takes the 128 back out. Two
+    interleaved int32 chains per head, added at the block's end, then to f32 and one FMA per
+    block: a fixed order per key, whatever the block, lane, heads or row."""
+    stride = Q8_QUERY_ROW
+    accs = [frame.vec() for _ in range(heads)]
+    for a in accs:
+        VXORPS(a, a, a)
+    kp, scales, quants, query_scales, sums, count, t = gp(), gp(), gp(), gp(), gp(), gp(), gp()
+    MOV(kp, tile)
+    MOV(scales, frame.head_dim)
+    SHL(scales, LOG2_KV_BLOCK)
+    ADD(scales, tile)                                # the key scales [head_dim / 32][KV_BLOCK]
+    LEA(quants, frame.query_rows)
+    MOV(t, frame.head_dim)
+    LEA(query_scales, [quants + t * 1])              # a q8_0 row: the scales after the quants
+    SHR(t, 3)
+    LEA(sums, [query_scales + t * 1])                # then -128 * each block's sum of quants
+    MOV(count, frame.head_dim)
+    SHR(count, 5)
+    order, lanes, bias = ZMMRegister(), ZMMRegister(), ZMMRegister()
+    # 256-bit constants: PeachPy takes one constant size per function
+    VBROADCASTI64X4(order, Constant.uint32x8(*TRANSPOSE_DWORDS[:8]))
+    VINSERTI64X4(order, order, Constant.uint32x8(*TRANSPOSE_DWORDS[8:]), 1)
+    VBROADCASTI64X4(lanes, Constant.uint32x8(*TRANSPOSE_BYTES[:8]))
+    VPBROADCASTD(bias, first_dword(Constant.uint32x8(0x80808080)))
+    with Loop() as blocks:
+        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        chains = [[ZMMRegister(), ZMMRegister()] for _ in range(heads)]
+        for h in range(heads):
+            VPBROADCASTD(chains[h][0], [sums + h * stride])
+            VXORPS(chains[h][1], chains[h][1], chains[h][1])
+        for g in range(KV_Q8_BLOCK // Q8_GROUP):
+            k = ZMMRegister()
+            VPERMD(k, order, [kp + g * KV_BLOCK * Q8_GROUP])
+            VPSHUFB(k, k, lanes)
+            VPXORD(k, k, bias)
+            for h in range(heads):
+                VPDPBUSD(chains[h][g % 2], k, broadcast([quants + h * stride + g * Q8_GROUP]))
+        key_scales = ZMMRegister()
+        VMOVUPS(key_scales, [scales])
+        for h in range(heads):
+            total, both = chains[h]
+            VPADDD(total, total, both)
+            VCVTDQ2PS(total, total)
+            product = ZMMRegister()
+            VMULPS(product, key_scales, broadcast([query_scales + h * stride]))
+            VFMADD231PS(accs[h], total, product)
+        ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
+        ADD(scales, KV_BLOCK * FLOAT)
+        ADD(quants, KV_Q8_BLOCK)
+        ADD(query_scales, FLOAT)
+        ADD(sums, FLOAT)
+        DEC(count)
+        JNZ(blocks.begin)
+    scale = frame.vec()
+    VBROADCASTSS(scale, frame.scale)
+    stride4 = gp()
+    MOV(stride4, frame.stride4)
+    for h in range(heads):
+        VMULPS(accs[h], accs[h], scale)
+        VMOVUPS(row(out, stride4, h), accs[h])
+
+
+def emit_query_quants(heads, frame):
+    """The tile's heads of q as q8_0 rows in frame.query_rows (Q8_QUERY_ROW bytes apart):
+    quantize_row's bytes (runtime/ref/paged.py quantize_kv_q8), then per block of 32
+    -128 * the sum of its quants (int32), which tile_scores_vnni starts each block's sum at."""
+    head_dim, src, dst = gp(), gp(), gp()
+    for h in range(heads):
+        MOV(head_dim, frame.head_dim)
+        MOV(src, frame.q_heads)
+        if h:
+            t = gp()
+            MOV(t, frame.hd4)
+            IMUL(t, t, h)
+            ADD(src, t)
+        LEA(dst, frame.query_rows)
+        if h:
+            ADD(dst, h * Q8_QUERY_ROW)
+        quantize_row(head_dim, src, dst)
+        quants, sums, count = gp(), gp(), gp()
+        MOV(quants, dst)
+        MOV(sums, head_dim)
+        SHR(sums, 3)
+        ADD(sums, head_dim)
+        ADD(sums, dst)
+        MOV(count, head_dim)
+        SHR(count, 5)
+        with Loop() as blocks:
+            total, part = YMMRegister(), YMMRegister()
+            VPMOVSXBD(total, [quants])
+            for c in range(1, Q8_CHUNKS):
+                VPMOVSXBD(part, [quants + c * LANES])
+                VPADDD(total, total, part)
+            fold_lanes(VPADDD, total, integer=True)
+            VPSLLD(total, total, 7)
+            VPXOR(part, part, part)
+            VPSUBD(total, part, total)
+            VMOVSS([sums], total.as_xmm)
+            ADD(quants, KV_Q8_BLOCK)
+            ADD(sums, FLOAT)
+            DEC(count)
+            JNZ(blocks.begin)
+
+
 def prefetch_targets(frame, key):
     """(V tile of key's block, K tile PREFETCH_BLOCKS blocks on, or this block's when the row
     ends sooner): what tile_scores asks for while it computes this block's scores. Past the
@@ -358,7 +491,7 @@ def emit_scores(heads, frame):
         block_row_address(frame, block, frame.k_head, tile)
         out = gp()
         MOV(out, frame.offset)
-        tile_scores(heads, frame, tile, out, prefetch)
+        (tile_scores_vnni if frame.vnni else tile_scores)(heads, frame, tile, out, prefetch)
         ADD(frame.offset, KV_BLOCK * FLOAT)
         block, end = gp(), gp()
         MOV(block, frame.key)
@@ -863,6 +996,8 @@ def emit_heads(frame):
                 if heads < MAX_HEADS:
                     CMP(count, heads)
                     JNE(variant.end)
+                if frame.vnni:
+                    emit_query_quants(heads, frame)
                 emit_segments(heads, frame)
                 emit_row_combine(heads, frame)
                 JMP(done.end)

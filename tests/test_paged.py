@@ -156,12 +156,24 @@ def draw_head_range(data, n):
     return h0, data.draw(st.integers(h0 + 1, n), label="h1")
 
 
-def draw_isa(data, head_dim):
-    """An attention variant this machine runs for head_dim (avx2, the baseline, always)."""
+def draw_isa(data, head_dim, dtype=None):
+    """An attention variant this machine runs for head_dim and the arena dtype (avx2, the
+    baseline, always)."""
     from llambda.runtime.native import paged as n_paged
-    isas = [isa for isa in n_paged.attention_isas()
-            if isa == "avx2" or head_dim % n_paged.WIDE_HEAD_DIM_MULTIPLE == 0]
+    isas = [isa for isa in n_paged.attention_isas(dtype)
+            if isa == "avx2" or n_paged.wide_head_dim(head_dim, dtype)]
     return data.draw(st.sampled_from(isas), label="isa")
+
+
+def vnni(arena_type, isa):
+    """Whether this q8_0 variant scores with q quantized (AVX512_VNNI, runtime/native/paged.py)."""
+    return arena_type == "q8_0" and isa == "avx512"
+
+
+def queries_seen(q, arena_type, isa):
+    """q as the variant scores it."""
+    from llambda.runtime.ref.paged import quantized
+    return buffers.aligned_copy(quantized(q)) if vnni(arena_type, isa) else q
 
 
 def scratch_for(native, step):
@@ -351,7 +363,7 @@ def test_a_layer_view_of_the_pools_buffer_gives_the_contiguous_arenas_bits(nativ
     v = typed(step.arena(values))
     (k_view, _), (v_view, _) = in_layer(k, layers, layer), in_layer(v, layers, layer)
     args = (step.positions, step.row_seq, step.tables, scale)
-    isa = draw_isa(data, head_dim)
+    isa = draw_isa(data, head_dim, k.dtype)
     from llambda.runtime.native import paged as n_paged
     want, got = nan_buffer(q.shape), nan_buffer(q.shape)
     n_paged.attention_paged(q, k, v, *args, want, scratch_for(native, step), window=step.window, isa=isa)
@@ -782,7 +794,10 @@ def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encod
     q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
     out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
     want = np.zeros(q.shape)
-    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None)
+    from llambda.runtime.native import paged as n_paged
+    picked = n_paged.attention_isa(head_dim, dtype=k.dtype)             # the variant native runs
+    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None,
+                        quantized_queries=vnni("q8_0" if k.dtype == np.uint8 else "", picked))
     native.attention_paged(q, k, v, positions, row_seq, tables, 0.125, out,
                            native.paged_attention_scratch(n_blocks * KV_BLOCK))
     assert np.isfinite(want).all()
@@ -814,12 +829,13 @@ def dequantized(arena, head_dim):
     return buffers.aligned_copy(dequantize_kv_q8(arena, head_dim))
 
 
-@settings(max_examples=25)
+@settings(max_examples=40)
 @given(st.data())
 def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
-    """A q8_0 arena gives exactly the f32 kernel's bits over its dequantized values (d * q),
-    and the reference's result within the f32 tolerance; kv_store_paged quantizes byte for
-    byte as the reference (quantize_kv_q8)."""
+    """Each q8_0 variant: avx2 gives exactly the f32 kernel's bits over the dequantized values
+    (d * q); the AVX512_VNNI one scores with q quantized as a q8_0 row too. Both give the
+    reference's result on the values they score with within the f32 tolerance, and
+    kv_store_paged quantizes byte for byte as the reference (quantize_kv_q8)."""
     n_head, n_kv, _, step = draw_step(data, window_too=True)
     head_dim = data.draw(st.sampled_from([32, 64, 96, 128, 256]), label="head_dim")
     step.shape = step.shape[:3] + (head_dim,)
@@ -827,18 +843,23 @@ def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
     k32, v32 = dequantized(k8, head_dim), dequantized(v8, head_dim)
     scratch = scratch_for(native, step)
+    isa = draw_isa(data, head_dim, np.uint8)
     got8, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
     args = (step.positions, step.row_seq, step.tables, scale)
-    native.attention_paged(q, keyed(k8), v8, *args, got8, scratch, window=step.window)
-    native.attention_paged(q, keyed(k32), v32, *args, got32, scratch, window=step.window)
-    ref.attention_paged(q, keyed(k8), v8, *args, want, None, window=step.window)
-    np.testing.assert_array_equal(got8, got32)
+    from llambda.runtime.native import paged as n_paged
+    n_paged.attention_paged(q, keyed(k8), v8, *args, got8, scratch, window=step.window, isa=isa)
+    ref.attention_paged(q, keyed(k8), v8, *args, want, None, window=step.window,
+                        quantized_queries=vnni("q8_0", isa))
+    if isa == "avx2":
+        n_paged.attention_paged(q, keyed(k32), v32, *args, got32, scratch, window=step.window, isa=isa)
+        np.testing.assert_array_equal(got8, got32)
     seen_keys = [k32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                  for s, n in enumerate(step.lengths)]
     seen_values = [v32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                    for s, n in enumerate(step.lengths)]
-    atol = tolerance(q, seen_keys, seen_values, step, scale, False, n_head // n_kv)
-    assert (np.abs(got8 - want) <= atol).all()
+    atol = tolerance(queries_seen(q, "q8_0", isa), seen_keys, seen_values, step, scale, False, n_head // n_kv)
+    error = np.abs(got8 - want)
+    assert (error <= atol).all(), f"{isa}: max error / tolerance {(error / atol).max()}"
 
     m = len(q)
     src = float_arrays(data.draw, (m, n_kv, head_dim))
@@ -847,6 +868,62 @@ def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
     native.kv_store_paged(src, step.positions, step.row_seq, step.tables, stored, heads=heads)
     ref.kv_store_paged(src, step.positions, step.row_seq, step.tables, expected, heads=heads)
     np.testing.assert_array_equal(stored, expected)
+
+
+def vnni_or_skip():
+    from llambda.runtime.native import paged as n_paged
+    if "avx512" not in n_paged.attention_isas(np.uint8):
+        pytest.skip("this CPU or kernel library has no AVX512_VNNI q8_0 attention")
+    return n_paged
+
+
+@pytest.mark.parametrize("head_dim", [32, 1024])
+def test_q8_vnni_scores_at_the_edges(native, ref, head_dim):
+    """The VNNI variant on the quantization's edges, in q and in the keys: an all-zero block
+    (d = 0), a block of one value, values landing on .5 after scaling, huge and tiny
+    magnitudes, the extreme quants +-127 (k + 128 is 1 and 255), and head_dim up to its
+    stack copy's limit: the reference on the quantized q within the f32 tolerance."""
+    n_paged = vnni_or_skip()
+    rng = np.random.default_rng(head_dim)
+    n_kv, n_head, length = 1, 3, 40
+    edges = [np.zeros(head_dim), np.full(head_dim, 3.0), np.arange(head_dim) % 64 - 31.5,
+             rng.standard_normal(head_dim) * 1e3, rng.standard_normal(head_dim) * 1e-3,
+             127.0 * np.sign(rng.standard_normal(head_dim))]
+    keys = np.stack([edges[j % len(edges)] * (1 + 0.1 * j) for j in range(length)])[None].astype(np.float32)
+    values = rng.standard_normal((n_kv, length, head_dim)).astype(np.float32)
+    rows = [(0, p) for p in range(0, length, 7)]
+    step = Step(rng, n_kv, head_dim, [length], rows)
+    q = np.stack([[edges[(i + h) % len(edges)] for h in range(n_head)] for i in range(len(rows))])
+    q = buffers.aligned_copy(q / np.abs(q).max(), np.float32)
+    scale = 0.01
+    k8, v8 = as_q8(step.arena([keys])), as_q8(step.arena([values]))
+    got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
+    scratch = native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK, head_dim)
+    args = (step.positions, step.row_seq, step.tables, scale)
+    n_paged.attention_paged(q, keyed(k8), v8, *args, got, scratch, isa="avx512")
+    ref.attention_paged(q, keyed(k8), v8, *args, want, None, quantized_queries=True)
+    k32, v32 = dequantize_rows(k8, step, head_dim), dequantize_rows(v8, step, head_dim)
+    atol = tolerance(queries_seen(q, "q8_0", "avx512"), [k32], [v32], step, scale, False, n_head)
+    assert (np.abs(got - want) <= atol).all()
+
+
+def dequantize_rows(arena, step, head_dim):
+    """Sequence 0's rows of a q8_0 arena, dequantized: [n_kv, length, head_dim]."""
+    n = step.lengths[0]
+    rows = dequantized(arena, head_dim)[step.tables[0, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK]
+    return rows.transpose(1, 0, 2)
+
+
+def test_q8_vnni_takes_head_dims_up_to_its_stack_copy(native):
+    """Past MAX_Q8_QUERY_HEAD_DIM the binding picks avx2 for a q8_0 arena, and names the limit
+    when avx512 is asked for."""
+    n_paged = vnni_or_skip()
+    limit = n_paged.MAX_Q8_QUERY_HEAD_DIM
+    assert n_paged.attention_isa(limit, dtype=np.uint8) == "avx512"
+    assert n_paged.attention_isa(limit + 32, dtype=np.uint8) == "avx2"
+    assert n_paged.attention_isa(limit + 32) == "avx512"           # float arenas have no such limit
+    with pytest.raises(ValueError, match=f"at most {limit} for a q8_0 arena, got head_dim {limit + 32}"):
+        n_paged.attention_isa(limit + 32, "avx512", np.uint8)
 
 
 def test_q8_store_edges(native, ref):
@@ -871,9 +948,12 @@ def test_q8_store_edges(native, ref):
 
 
 def test_q8_arena_long_context_tolerance(native, ref):
-    """A q8_0 cache against the float64 reference on the unquantized f32 keys and values, 3000
-    keys, SmolLM2's shape. Each element moves by <= d_b / 2 (d_b = max|x| / 127 of its block of
-    32), so a score by <= scale sum_i |q_i| d_b(i) / 2 and out by <= 2 that max|v| + max d_v / 2."""
+    """A q8_0 cache against the float64 reference on the unquantized f32 keys, values and q,
+    3000 keys, SmolLM2's shape, the variant the binding picks. Each element moves by <= d_b / 2
+    (d_b = max|x| / 127 of its block of 32): a key's by dk/2, and on AVX512_VNNI q's by dq/2
+    too, so a score by <= scale (sum_i dk_i/2 (|q_i| + dq_i/2) + |k_i| dq_i/2) and out by
+    <= 2 that max|v| + max d_v / 2."""
+    from llambda.runtime.native import paged as n_paged
     from llambda.runtime.ref.paged import quantize_kv_q8
     n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(10)
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
@@ -884,12 +964,17 @@ def test_q8_arena_long_context_tolerance(native, ref):
                         want, None)
     k_step = quantize_kv_q8(keys[0])[..., head_dim:].copy().view(np.float32)      # d per block [n_kv, length, 2]
     v_step = quantize_kv_q8(values[0])[..., head_dim:].copy().view(np.float32)
+    q_step = np.zeros(q.shape[:2] + (head_dim // 32,), np.float32)
+    if n_paged.attention_isa(head_dim, dtype=np.uint8) == "avx512":
+        q_step = quantize_kv_q8(q)[..., head_dim:].copy().view(np.float32)
     f32_bound = tolerance(q, keys, values, step, scale, False, n_head // n_kv)
     for i, (_, p) in enumerate(rows):
         for h in range(n_head):
             kv = h // 3
-            d = np.repeat(k_step[kv, :p + 1], 32, axis=-1)                          # [keys, head_dim]
-            score_error = scale * (d / 2 @ np.abs(q[i, h])).max()
+            dk = np.repeat(k_step[kv, :p + 1], 32, axis=-1)                         # [keys, head_dim]
+            dq = np.repeat(q_step[i, h], 32)
+            k = np.abs(keys[0][kv, :p + 1].astype(np.float64))
+            score_error = scale * (dk / 2 @ (np.abs(q[i, h]) + dq / 2) + k @ (dq / 2)).max()
             v_max = np.abs(values[0][kv, :p + 1]).max()
             bound = 2 * score_error * v_max + v_step[kv, :p + 1].max() / 2 + f32_bound[i, h]
             assert np.abs(got[i, h] - want[i, h]).max() <= bound
@@ -970,19 +1055,20 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     v_arena, v_seen = stored(step.arena(values), arena_type, head_dim)
     scratch = scratch_for(native, step)
     m = len(q)
-    isa = draw_isa(data, head_dim)
+    isa = draw_isa(data, head_dim, k_arena.dtype)
 
     whole = nan_buffer(q.shape)
     n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, whole, scratch,
                             window=step.window, isa=isa)
     want = np.full(q.shape, np.nan)
-    ref.attention_paged(q, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
+    q_seen = queries_seen(q, arena_type, isa)
+    ref.attention_paged(q_seen, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
                         None, window=step.window)
     seen_keys = [k_rows[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                  for s, n in enumerate(step.lengths)]
     seen_values = [v_seen[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                    for s, n in enumerate(step.lengths)]
-    atol = tolerance(q, seen_keys, seen_values, step, scale, exact, n_head // n_kv)
+    atol = tolerance(q_seen, seen_keys, seen_values, step, scale, exact, n_head // n_kv)
     assert not np.isnan(whole).any()
     error = np.abs(whole.astype(np.float64) - want)
     assert (error <= atol).all(), f"max error / tolerance {(error / atol).max()}"

@@ -48,7 +48,8 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 # f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
 # A q8_0 arena is uint8 rows of int8 quants and f32 scales (codegen/contract.py
 # kv_q8_row_bytes), quantized on store as runtime/ref/paged.py quantize_kv_q8, read as
-# d * q: the f32 kernel's results on the dequantized values. It needs head_dim % 32 == 0.
+# d * q: the avx2 kernel's results are the f32 kernel's on the dequantized values (the
+# avx512 one quantizes q too: attention_isas). It needs head_dim % 32 == 0.
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
                  np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
                  np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
@@ -70,31 +71,55 @@ def attention_symbol(dtype, isa):
     return ATTENTION_SYMBOLS[dtype].replace("__avx2", f"__{isa}")
 
 
+# The avx512 q8_0 variant computes its scores with AVX512_VNNI (codegen/paged.py
+# tile_scores_vnni: q quantized to a q8_0 row as the store quantizes, exact int8 dot
+# products): it needs that flag as well, and head_dim <= MAX_Q8_QUERY_HEAD_DIM (its stack
+# copy of the queries). Its scores are those of the quantized q (runtime/ref/paged.py
+# attention_paged, quantized_queries=True), so it is not the f32 kernel on dequantized values.
+Q8_WIDE_FLAGS = ("avx512_vnni", "avx512vnni")          # as Linux or py-cpuinfo spell it
+MAX_Q8_QUERY_HEAD_DIM = 1024
+
+
 @functools.lru_cache(maxsize=None)
-def attention_isas():
-    """The attention variants this CPU runs and the kernel library has, baseline first."""
+def attention_isas(dtype=None):
+    """The attention variants this CPU runs and the kernel library has, baseline first; for
+    an arena ``dtype``, those of its kernel (q8_0's avx512 variant also needs AVX512_VNNI)."""
     manifest = library.load("avx2").manifest
-    return tuple(isa for isa in ATTENTION_ISAS if not cpu.missing_flags(isa)
+    isas = tuple(isa for isa in ATTENTION_ISAS if not cpu.missing_flags(isa)
                  and all(attention_symbol(d, isa) in manifest for d in ATTENTION_SYMBOLS))
+    if dtype is not None and np.dtype(dtype) == np.uint8 and not cpu.cpu_flags() & set(Q8_WIDE_FLAGS):
+        isas = tuple(isa for isa in isas if isa != "avx512")
+    return isas
 
 
-def attention_isa(head_dim, isa=None):
-    """``isa`` if given (checked), else the widest this machine runs for head_dim (capped by
-    LLAMBDA_ISA, as the float GEMM)."""
+def wide_head_dim(head_dim, dtype=None):
+    """Whether the avx512 variant of ``dtype``'s kernel takes this head_dim."""
+    if head_dim % WIDE_HEAD_DIM_MULTIPLE:
+        return False
+    return dtype is None or np.dtype(dtype) != np.uint8 or head_dim <= MAX_Q8_QUERY_HEAD_DIM
+
+
+def attention_isa(head_dim, isa=None, dtype=None):
+    """``isa`` if given (checked), else the widest this machine runs for head_dim and the
+    arena ``dtype`` (capped by LLAMBDA_ISA, as the float GEMM)."""
     if isa is not None:
-        if isa not in attention_isas():
-            raise ValueError(f"isa: expected one of {', '.join(attention_isas())} (the attention variants "
-                             f"this CPU and kernel library run), got {isa!r}")
-        if isa == "avx512" and head_dim % WIDE_HEAD_DIM_MULTIPLE:
-            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0, "
+        q8 = dtype is not None and np.dtype(dtype) == np.uint8
+        if isa not in attention_isas(dtype):
+            raise ValueError(f"isa: expected one of {', '.join(attention_isas(dtype))} (the attention variants "
+                             f"this CPU and kernel library run{' for a q8_0 arena' if q8 else ''}), got {isa!r}")
+        if isa == "avx512" and not wide_head_dim(head_dim, dtype):
+            limit = f" and at most {MAX_Q8_QUERY_HEAD_DIM} for a q8_0 arena" if q8 else ""
+            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0{limit}, "
                              f"got head_dim {head_dim}")
         return isa
     cap = os.environ.get("LLAMBDA_ISA") or ATTENTION_ISAS[-1]
     if cap not in ATTENTION_ISAS:
         raise ValueError(f"LLAMBDA_ISA: expected one of {', '.join(ATTENTION_ISAS)}, got {cap!r}")
-    wide = ("avx512" in attention_isas() and ATTENTION_ISAS.index(cap) >= 1
-            and head_dim % WIDE_HEAD_DIM_MULTIPLE == 0)
+    wide = ("avx512" in attention_isas(dtype) and ATTENTION_ISAS.index(cap) >= 1
+            and wide_head_dim(head_dim, dtype))
     return "avx512" if wide else "avx2"
+
+
 ARENA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "q8_0 (uint8)"}
 HEAD_DIM_MULTIPLE = {np.dtype(np.float16): 8, np.dtype(np.uint8): KV_Q8_BLOCK}
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
@@ -342,7 +367,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
             raise ValueError(f"segments: expected (seg0, step) with 0 <= seg0 < step, got {segments!r}")
         packed_segments = seg0 | step << 32
         dest_at = partials_at + partials.strides[0] * r0
-    return attention_symbol(dtype, attention_isa(head_dim, isa)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
+    return attention_symbol(dtype, attention_isa(head_dim, isa, dtype)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
                                       positions_at + I32.itemsize * r0, row_seq_at + I32.itemsize * r0,
                                       tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim | block_heads << 32,
                                       n_kv | group << 32, h0 | h1 << 32, packed_segments,

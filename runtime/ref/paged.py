@@ -58,6 +58,11 @@ def dequantize_kv_q8(rows, head_dim):
     return (q.reshape(q.shape[:-1] + (-1, KV_Q8_BLOCK)) * d[..., None]).reshape(q.shape)
 
 
+def quantized(x):
+    """x's values as its q8_0 rows hold them: what the AVX512_VNNI q8_0 kernels score with."""
+    return dequantize_kv_q8(quantize_kv_q8(x), np.shape(x)[-1])
+
+
 def _slot(tables, row_seq, positions, i):
     p = int(positions[i])
     return int(tables[int(row_seq[i]), p // KV_BLOCK]), p % KV_BLOCK
@@ -112,15 +117,20 @@ def kv_store_paged(src, positions, row_seq, tables, arena, heads=None, keys=Fals
 
 
 def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                    heads=None, window=0):
+                    heads=None, window=0, quantized_queries=False):
     """out[i, h] = sum_j p_j v_j, p = softmax_j(scale * q[i, h] . k_j), over the keys row i at
     position p = positions[i] sees in its sequence (tables[row_seq[i]]): j <= p, and
     p - j < window when window > 0; kv = h // (n_head // n_kv_head). In float64, from the math.
 
     q, out f32 [m, n_head, head_dim]; arenas as in ``kv_store_paged``, k_arena a key arena
     (``key_tiles``); heads=(h0, h1) computes
-    only those query heads; scratch (from ``paged_attention_scratch``) is unused here."""
+    only those query heads; scratch (from ``paged_attention_scratch``) is unused here.
+
+    ``quantized_queries`` (q8_0 arenas): each head of q scores as its q8_0 row
+    (``quantize_kv_q8``, dequantized), as the kernels on AVX512_VNNI compute the scores."""
     m, n_head, _ = q.shape
+    if quantized_queries and k_arena.dtype == np.uint8:
+        q = quantized(q)
     group = n_head // k_arena.shape[1]
     k_arena = key_rows(k_arena, q.shape[-1])
     h0, h1 = heads if heads is not None else (0, n_head)

@@ -11,8 +11,9 @@ it here (``<cache>/tokenizers/bpe-<key>/``); later loads read that.
 The key hashes everything the model is built from (token texts, merge rules or
 SentencePiece scores, the BPE options), so a different vocabulary never reads
 another's files. ``merges.txt`` holds one "left right" rule per line: a vocabulary
-whose rules have a space or a line break inside a side (Gemma 3's SentencePiece
-merges do) cannot be written that way and is always built from Python.
+whose rules have a space or a line break inside a side cannot be written that way and
+is always built from Python. (SentencePiece vocabularies are not BPE models here:
+llambda.spm_engine.)
 Everything here is best effort: an unreadable or unwritable cache only means
 building the model again.
 """

@@ -15,8 +15,9 @@ Three vocabulary kinds are supported, named by `tokenizer.ggml.model`:
 
 All follow llama.cpp's behaviour, because that is what GGUF files are converted
 for and what the test fixtures are recorded from (llama.cpp's own tokenizer test
-suite among them). The merge loops themselves run in HF `tokenizers` (Rust);
-this module decides what each call gets to see.
+suite among them). The merge loops themselves run in libraries: HF `tokenizers`
+(Rust) for BPE by merge rules, `sentencepiece` (C++, llambda.spm_engine) for
+SentencePiece's merge-by-score; this module decides what each call gets to see.
 """
 import codecs
 import re
@@ -28,8 +29,8 @@ from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import models, pre_tokenizers
 
 from llambda import bpe_cache
+from llambda.spm_engine import SentencePieceEngine
 from llambda.errors import UserError
-from llambda.runtime import atomic
 from llambda.inputs import check_text
 
 
@@ -288,91 +289,6 @@ def _raw_bpe_engine(tokens, merges):
     return _HfTokenizer(model)
 
 
-def _sentencepiece_merges(tokens, scores):
-    """BPE merge rules equivalent to SentencePiece's "merge the best-scoring pair".
-
-    Every way of cutting a token into two tokens is a merge; merges that make a
-    higher-scoring token come first, which is the order SentencePiece applies them.
-    Deriving them is the slow part of loading a large vocabulary (every cut of
-    every token is a lookup), so the result is kept in the user cache, keyed by
-    the vocabulary's texts and scores.
-    """
-    key = _vocabulary_digest(tokens, scores)
-    pairs = _load_cached_pairs(key, len(tokens))
-    if pairs is None:
-        pairs = _derive_sentencepiece_pairs(tokens, scores)
-        _store_cached_pairs(key, pairs)
-    text_of = tokens.__getitem__
-    return list(zip(map(text_of, pairs[:, 0].tolist()), map(text_of, pairs[:, 1].tolist())))
-
-
-def _derive_sentencepiece_pairs(tokens, scores):
-    """[n_merges, 2] int32 (left id, right id), best merge first."""
-    ids = _vocab_dict(tokens)
-    scores = scores.tolist()
-    ranked = []
-    for text, token_id in ids.items():
-        for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in ids and right in ids:
-                ranked.append((-scores[token_id], token_id, ids[left], ids[right]))
-    ranked.sort()
-    return np.array([(left, right) for _, _, left, right in ranked], dtype=np.int32).reshape(-1, 2)
-
-
-# Bump when the derivation changes: old cache entries are then never read.
-_MERGE_CACHE_VERSION = 1
-
-
-def _vocabulary_digest(tokens, scores):
-    import hashlib           # (here: only SentencePiece vocabularies need it)
-    digest = hashlib.sha256(f"sentencepiece merges v{_MERGE_CACHE_VERSION}\0".encode())
-    digest.update("\0".join(tokens).encode("utf-8", "surrogateescape"))
-    digest.update(scores.tobytes())
-    return digest.hexdigest()[:32]
-
-
-def _merge_cache_path(key):
-    from llambda.runtime import paths
-    return paths.cache_dir() / "tokenizers" / f"spm-merges-{key}.npy"
-
-
-def _load_cached_pairs(key, n_tokens):
-    try:
-        pairs = np.load(_merge_cache_path(key), allow_pickle=False)
-    except (OSError, ValueError):
-        return None
-    if pairs.dtype != np.int32 or pairs.ndim != 2 or pairs.shape[1] != 2 or \
-            (pairs.size and not (0 <= pairs.min() and pairs.max() < n_tokens)):
-        return None          # damaged: derive again
-    return pairs
-
-
-def _store_cached_pairs(key, pairs):
-    """Best effort: an unwritable cache only costs the next load the derivation again."""
-    import tempfile
-    path = _merge_cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic.create(path) as f:          # nothing left behind if killed meanwhile
-            np.save(f, pairs, allow_pickle=False)
-    except OSError:
-        pass
-
-
-def _sentencepiece_engine(tokens, scores, unknown_id):
-    options = dict(unk_token=tokens[unknown_id] if unknown_id is not None else None,
-                   byte_fallback=True, fuse_unk=False)
-    cache_key = bpe_cache.key("sentencepiece", tokens, scores.astype(np.float32).tobytes(), options)
-    model = bpe_cache.load(cache_key, tokens, options)
-    if model is None:
-        merges = _sentencepiece_merges(tokens, scores)
-        model = models.BPE(vocab=_vocab_dict(tokens), merges=merges, **options)
-        bpe_cache.store(cache_key, model, merges)
-    # No pre-tokenizer: SentencePiece merges across the whole fragment.
-    return _HfTokenizer(model)
-
-
 def _pre_tokenizer(md):
     if "tokenizer.ggml.pre" not in md:
         raise UserError("the model's GGUF names no pre-tokenizer (tokenizer.ggml.pre); "
@@ -390,7 +306,7 @@ _SUPPORTED_MODELS = ("gpt2 (byte-level BPE), llama (SentencePiece), "
                      "gemma4 (BPE over characters)")
 
 
-def _engine_for(kind, md, tokens):
+def _engine_for(kind, md, tokens, token_types):
     """(merge engine, adds BOS unless told, prefixes a space) for a vocabulary kind."""
     if kind == "gpt2":
         pre = _pre_tokenizer(md)
@@ -402,7 +318,7 @@ def _engine_for(kind, md, tokens):
             raise UserError(f"the model's tokenizer is inconsistent: {scores.size} scores "
                             f"for {len(tokens)} tokens")
         unknown_id = _optional_id(md, "tokenizer.ggml.unknown_token_id", len(tokens))
-        engine = _sentencepiece_engine(tokens, scores, unknown_id)
+        engine = SentencePieceEngine(tokens, scores, token_types, unknown_id)
         return engine, True, bool(md.get("tokenizer.ggml.add_space_prefix", True))
     if kind == "gemma4":
         merges = _required(md, "tokenizer.ggml.merges")
@@ -513,7 +429,7 @@ class Tokenizer:
         token_types = _token_types(md, n_tokens)
         eog_ids = _special_tokens(md, tokens, token_types)
 
-        engine, default_add_bos, add_space_prefix = _engine_for(kind, md, tokens)
+        engine, default_add_bos, add_space_prefix = _engine_for(kind, md, tokens, token_types)
         bos_id = _optional_id(md, "tokenizer.ggml.bos_token_id", n_tokens)
         eos_id = _optional_id(md, "tokenizer.ggml.eos_token_id", n_tokens)
         return cls(tokens=tokens, token_types=token_types, engine=engine, kind=kind,

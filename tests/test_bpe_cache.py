@@ -44,8 +44,8 @@ def test_a_cached_vocabulary_tokenizes_as_the_built_one(name, cache, monkeypatch
         assert cached.encode(text, add_special=False) == built.encode(text, add_special=False) == want, text
 
 
-def test_a_vocabulary_merges_txt_cannot_hold_is_built_each_time(cache):
-    """Llama 2's SentencePiece vocabulary has tokens ending in "\r": no entry, same ids."""
+def test_a_sentencepiece_vocabulary_leaves_no_entry(cache):
+    """Llama 2's SentencePiece vocabulary goes to the sentencepiece library: no entry, its ids."""
     tok = llambda.load_tokenizer(_vocab("llama-spm"))
     assert _entries(cache) == []
     for text, want in vocab_fixtures.cases("llama-spm")[:50]:

@@ -25,6 +25,15 @@ import numpy as np
 from .errors import UserError
 
 
+def is_text(text):
+    """Whether a str encodes to UTF-8 (the text rule above), without naming a fault."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def check_text(text, what="text"):
     """``text`` if it is a str that encodes to UTF-8, else a UserError naming ``what``."""
     if not isinstance(text, str):

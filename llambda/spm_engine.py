@@ -25,6 +25,8 @@ import re
 
 import numpy as np
 
+from llambda.inputs import is_text
+
 BYTE_TEXT = re.compile(r"<0x[0-9A-F]{2}>")
 BYTE_TYPE = 6                            # tokenizer.ggml.token_type of a <0xXX> byte token
 UNKNOWN_TEXT = "<llambda:unknown>"       # the added UNKNOWN piece (made unique if taken)
@@ -66,10 +68,10 @@ MODEL_BPE = 2                                                         # TrainerS
 def model_proto(tokens, scores, token_types):
     """The serialized SentencePiece ModelProto of a GGUF vocabulary (see the module doc)."""
     texts = set(tokens)
-    if len(texts) == len(tokens) and all(tokens) and _is_text("".join(tokens)):
+    if len(texts) == len(tokens) and all(tokens) and is_text("".join(tokens)):
         kinds = [PIECE_NORMAL] * len(tokens)    # the usual vocabulary: every text its own piece
     else:
-        last = {text: token_id for token_id, text in enumerate(tokens) if text and _is_text(text)}
+        last = {text: token_id for token_id, text in enumerate(tokens) if text and is_text(text)}
         kinds = [PIECE_NORMAL if last.get(text) == token_id else PIECE_UNUSED
                  for token_id, text in enumerate(tokens)]
     byte_ids = [token_id for token_id, kind in enumerate(token_types)
@@ -132,11 +134,3 @@ def _varint(value):
         value >>= 7
     out.append(value)
     return bytes(out)
-
-
-def _is_text(text):
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False

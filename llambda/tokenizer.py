@@ -31,7 +31,7 @@ from tokenizers import models, pre_tokenizers
 from llambda import bpe_cache
 from llambda.spm_engine import SentencePieceEngine
 from llambda.errors import UserError
-from llambda.inputs import check_text
+from llambda.inputs import check_text, is_text
 
 
 class TokenType(IntEnum):
@@ -236,17 +236,9 @@ def _vocab_dict(tokens):
     # Like llama.cpp, a repeated token text maps to its last id. A token whose bytes are
     # not UTF-8 (kept as surrogate escapes, see gguf_file) cannot be matched in text, and
     # HF refuses it: it stays out of the encoder and decodes to its raw bytes.
-    if _is_text("".join(tokens)):        # one check for the usual, all-text vocabulary
+    if is_text("".join(tokens)):        # one check for the usual, all-text vocabulary
         return {text: token_id for token_id, text in enumerate(tokens)}
-    return {text: token_id for token_id, text in enumerate(tokens) if _is_text(text)}
-
-
-def _is_text(text):
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
+    return {text: token_id for token_id, text in enumerate(tokens) if is_text(text)}
 
 
 def _bpe_model(tokens, merges, **options):

@@ -80,11 +80,14 @@ def model_proto(tokens, scores, token_types):
     for token_id in byte_ids if byte_fallback else ():
         kinds[token_id] = PIECE_BYTE
     score_bytes = np.asarray(scores, "<f4").tobytes()
-    pieces = [_piece(text, score_bytes[4 * token_id:4 * token_id + 4], kind) if kind != PIECE_UNUSED
-              else _piece(_unique(f"<llambda:unused {token_id}>", texts), ZERO_SCORE, PIECE_UNUSED)
-              for token_id, (text, kind) in enumerate(zip(tokens, kinds))]
-    pieces.append(_piece(_unique(UNKNOWN_TEXT, texts), ZERO_SCORE, PIECE_UNKNOWN))
-    trainer = (_varint_field(3, MODEL_BPE) + _varint_field(4, len(pieces))
+    model = bytearray()          # one buffer, not a bytes object per piece that outlives its use
+    for token_id, (text, kind) in enumerate(zip(tokens, kinds)):
+        if kind == PIECE_UNUSED:
+            _add_piece(model, _unique(f"<llambda:unused {token_id}>", texts), ZERO_SCORE, kind)
+        else:
+            _add_piece(model, text, score_bytes[4 * token_id:4 * token_id + 4], kind)
+    _add_piece(model, _unique(UNKNOWN_TEXT, texts), ZERO_SCORE, PIECE_UNKNOWN)
+    trainer = (_varint_field(3, MODEL_BPE) + _varint_field(4, len(tokens) + 1)
                + _varint_field(35, int(byte_fallback)) + _varint_field(40, len(tokens))
                # no BOS, EOS or padding of its own: llambda.tokenizer adds BOS / EOS itself
                + _varint_field(41, -1) + _varint_field(42, -1) + _varint_field(43, -1))
@@ -92,7 +95,8 @@ def model_proto(tokens, scores, token_types):
     # arrives as llama.cpp merges it
     normalizer = (_bytes_field(1, b"identity") + _varint_field(3, 0) + _varint_field(4, 0)
                   + _varint_field(5, 0))
-    return b"".join(pieces) + _bytes_field(2, trainer) + _bytes_field(3, normalizer)
+    model += _bytes_field(2, trainer) + _bytes_field(3, normalizer)
+    return bytes(model)
 
 
 ZERO_SCORE = bytes(4)
@@ -105,17 +109,23 @@ def _unique(text, taken):
     return text
 
 
-def _piece(text, score, kind):
+def _add_piece(model, text, score, kind):
     """ModelProto field 1 (pieces): SentencePiece {piece = 1, score = 2 (float), type = 3}."""
     data = text.encode("utf-8")
     n = len(data)
     if n < 119:                      # the usual piece: both lengths are one-byte varints
-        return b"".join((b"\x0a", SMALL[n + 9], b"\x0a", SMALL[n], data, b"\x15", score, KIND[kind]))
-    body = b"\x0a" + _varint(n) + data + b"\x15" + score + KIND[kind]
-    return b"\x0a" + _varint(len(body)) + body
+        model += SMALL[n + 9]
+        model += SMALL[n]
+    else:
+        body = n + len(_varint(n)) + 8
+        model += b"\x0a" + _varint(body) + b"\x0a" + _varint(n)
+    model += data
+    model += b"\x15"
+    model += score
+    model += KIND[kind]
 
 
-SMALL = [bytes((n,)) for n in range(128)]               # one-byte varints
+SMALL = [bytes((0x0a, n)) for n in range(128)]         # a field-1 key and a one-byte length
 KIND = {kind: bytes((0x18, kind)) for kind in (PIECE_NORMAL, PIECE_UNKNOWN, PIECE_UNUSED, PIECE_BYTE)}
 
 

@@ -914,6 +914,26 @@ def dequantize_rows(arena, step, head_dim):
     return rows.transpose(1, 0, 2)
 
 
+def test_without_vnni_a_q8_arena_gets_the_avx2_kernel(native, monkeypatch):
+    """An AVX-512 CPU without AVX512_VNNI (Skylake-X) runs f16 on avx512 and q8_0 on avx2,
+    and refuses avx512 for q8_0 by name."""
+    from llambda.runtime import cpu
+    from llambda.runtime.native import paged as n_paged
+    if "avx512" not in n_paged.attention_isas():
+        pytest.skip("this CPU or kernel library has no avx512 attention")
+    flags = cpu.cpu_flags() - set(n_paged.Q8_WIDE_FLAGS)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    n_paged.attention_isas.cache_clear()
+    try:
+        assert n_paged.attention_isas(np.uint8) == ("avx2",)
+        assert n_paged.attention_isa(64, dtype=np.uint8) == "avx2"
+        assert n_paged.attention_isa(64, dtype=np.float16) == "avx512"
+        with pytest.raises(ValueError, match="isa: expected one of avx2 .* for a q8_0 arena"):
+            n_paged.attention_isa(64, "avx512", np.uint8)
+    finally:
+        n_paged.attention_isas.cache_clear()
+
+
 def test_q8_vnni_takes_head_dims_up_to_its_stack_copy(native):
     """Past MAX_Q8_QUERY_HEAD_DIM the binding picks avx2 for a q8_0 arena, and names the limit
     when avx512 is asked for."""

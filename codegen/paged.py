@@ -33,10 +33,11 @@ the core and its blocks sit anywhere.
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
 f16 converted and q8_0 values dequantized as they load) and the softmax on zmm up to the
 segment's last 16 keys, and sums each score in KEY_PARTIALS[True] partials (avx2:
-KEY_PARTIALS[False]). Its q8_0 scores are integer dot products on AVX512_VNNI of the key's
-quants and q's, each head of q quantized once per row as the store quantizes a row
-(tile_scores_vnni). Its bits differ from avx2's, so the binding picks the variant per
-machine and head_dim, never per m. The window is one code path: the row sees the last
+KEY_PARTIALS[False]). Its bits differ from avx2's, so the binding picks the variant per
+machine and head_dim, never per m. q8_0 scores are integer dot products of the key's quants
+and q's, each head of q quantized once per row as the store quantizes a row
+(emit_query_quants): on AVX512_VNNI (tile_scores_vnni) and on AVX2 (tile_scores_int8), the
+same sums in the same order, so the same scores. The window is one code path: the row sees the last
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
@@ -63,7 +64,8 @@ from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS,
                             VPERMD, VPSHUFB, VPXORD, VPBROADCASTD, VPADDD, VPSUBD, VPSLLD, VPXOR,
-                            VBROADCASTI64X4, VINSERTI64X4)
+                            VBROADCASTI64X4, VINSERTI64X4, VPERMQ, VPUNPCKLWD, VPUNPCKHWD,
+                            VPSIGNB, VPABSB, VPMADDUBSW, VPMADDWD, VPERM2F128, VFMADD213PS)
 from peachpy import Constant
 from peachpy.x86_64 import byte, word, dword
 
@@ -85,9 +87,9 @@ INDEX = 4                      # bytes of an int32 position, sequence or block i
 # nearest even, as numpy's astype): its results are the f32 kernel's on the rounded
 # values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
 # A q8_0 arena (codegen/contract.py) holds rows of head_dim int8 quants then one f32 scale
-# per 32: a K or V chunk of 8 is VPMOVSXBD, VCVTDQ2PS, times its block's scale (the f32
-# value d * q), then the same FMAs as f32 (avx512's scores: tile_scores_vnni instead). It
-# needs head_dim % 32 == 0.
+# per 32. Its scores are int8 dot products with q quantized the same way (tile_scores_vnni,
+# tile_scores_int8); a V chunk of 8 is VPMOVSXBD, VCVTDQ2PS, times its block's scale (the
+# f32 value d * q), then the same FMAs as f32. It needs head_dim % 32 == 0.
 ARENA_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 ARENA_C_TYPES = {"f16": "uint16_t", "q8_0": "uint8_t"}
 ROUND_NEAREST_EVEN = 0
@@ -98,7 +100,7 @@ PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
 # independent FMA chains for heads x KV_BLOCK / lanes x partials = 12 accumulators.
 KEY_PARTIALS = {True: 4, False: 2}
 SCORE_SLACK = KV_BLOCK              # floats before the first score row: a first block's early lanes
-# q8_0 on AVX512_VNNI (tile_scores_vnni): each head of a tile quantized to a q8_0 row on the
+# q8_0 scores (tile_scores_vnni, tile_scores_int8): each head of a tile quantized to a q8_0 row on the
 # stack (quants, scales, then -128 * the sum of each block's quants), Q8_QUERY_ROW bytes apart.
 # Not a multiple of 64: a {1to16} operand's displacement h * Q8_QUERY_ROW + 4 g must not be
 # one (peachpy_ext.broadcast).
@@ -197,8 +199,7 @@ def new_frame(arena, isa="avx2"):
     frame.vec = ZMMRegister if frame.wide else YMMRegister
     frame.chunk = frame.lanes * FLOAT
     frame.q8_chunks = KV_Q8_BLOCK // frame.lanes
-    frame.vnni = frame.q8 and frame.wide
-    if frame.vnni:                                   # the tile's queries as q8_0 rows (tile_scores_vnni)
+    if frame.q8:                                     # the tile's queries as q8_0 rows (emit_query_quants)
         frame.query_rows = LocalVariable(MAX_HEADS * Q8_QUERY_ROW, alignment=8)
     return frame
 
@@ -220,12 +221,10 @@ def dequantized_chunk(out, quants, scale):
     VMULPS(out, out, scale)
 
 
-def key_vector(frame, out, at, scale=None):
+def key_vector(frame, out, at):
     """out = the f32 values of frame.lanes consecutive K tile elements at ``at``: f32 loaded,
-    f16 converted exactly, q8_0 dequantized (``scale``: the address of their scales)."""
-    if frame.q8:
-        dequantized_chunk(out, at, scale)
-    elif frame.half:
+    f16 converted exactly (q8_0 keys: tile_scores_vnni / tile_scores_int8)."""
+    if frame.half:
         VCVTPH2PS(out, at)
     else:
         VMOVUPS(out, at)
@@ -265,13 +264,12 @@ def tile_scores(heads, frame, tile, out, prefetch):
     MOV(qd, frame.q_heads)
     MOV(hd4, frame.hd4)
 
-    def dims(count, scales=None):
+    def dims(count):
         """``count`` dimensions from kp / qd on: dimension r of them into partial r % partials."""
         for r in range(count):
             k = [frame.vec() for _ in range(halves)]
             for v in range(halves):
-                scale = None if scales is None else [scales + v * frame.lanes * FLOAT]
-                key_vector(frame, k[v], [kp + (r * KV_BLOCK + v * frame.lanes) * e], scale)
+                key_vector(frame, k[v], [kp + (r * KV_BLOCK + v * frame.lanes) * e])
             for h in range(heads):
                 b = frame.vec()
                 VBROADCASTSS(b, row(qd, hd4, h, r * FLOAT))
@@ -279,40 +277,23 @@ def tile_scores(heads, frame, tile, out, prefetch):
                     VFMADD231PS(accs[h][v][r % partials], k[v], b)
 
     count = gp()
-    if frame.q8:
-        # a block of 32 dimensions shares one scale per key: the scale rows follow the quants
-        scales = gp()
-        MOV(scales, frame.head_dim)
-        SHL(scales, LOG2_KV_BLOCK)
-        ADD(scales, tile)
-        MOV(count, frame.head_dim)
-        SHR(count, 5)
-        with Loop() as blocks:
-            prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
-            dims(KV_Q8_BLOCK, scales)
-            ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
-            ADD(qd, KV_Q8_BLOCK * FLOAT)
-            ADD(scales, KV_BLOCK * FLOAT)
-            DEC(count)
-            JNZ(blocks.begin)
-    else:
-        MOV(count, frame.head_dim)
-        SHR(count, partials.bit_length() - 1)
-        groups = Loop()
-        JZ(groups.end)                               # f32 head_dim 1
-        with groups:
-            prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
-            dims(partials)
-            ADD(kp, partials * KV_BLOCK * e)
-            ADD(qd, partials * FLOAT)
-            DEC(count)
-            JNZ(groups.begin)
-        if frame.arena == "f32" and not frame.wide:  # any head_dim: the last odd dimension
-            odd = Block()
-            with odd:
-                TEST(frame.head_dim, 1)
-                JZ(odd.end)
-                dims(1)
+    MOV(count, frame.head_dim)
+    SHR(count, partials.bit_length() - 1)
+    groups = Loop()
+    JZ(groups.end)                                   # f32 head_dim 1
+    with groups:
+        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        dims(partials)
+        ADD(kp, partials * KV_BLOCK * e)
+        ADD(qd, partials * FLOAT)
+        DEC(count)
+        JNZ(groups.begin)
+    if frame.arena == "f32" and not frame.wide:      # any head_dim: the last odd dimension
+        odd = Block()
+        with odd:
+            TEST(frame.head_dim, 1)
+            JZ(odd.end)
+            dims(1)
 
     scale = frame.vec()
     VBROADCASTSS(scale, frame.scale)
@@ -397,6 +378,99 @@ def tile_scores_vnni(heads, frame, tile, out, prefetch):
     for h in range(heads):
         VMULPS(accs[h], accs[h], scale)
         VMOVUPS(row(out, stride4, h), accs[h])
+
+
+# AVX2's int8 scores (tile_scores_int8): a 4-dimension group's 64 tile bytes [d][key] to
+# [key][d] dwords. VPERMQ puts keys 0-7 of two dimensions in the low lane and keys 8-15 in
+# the high one; VPSHUFB pairs the two dimensions' bytes of each key (control byte o takes
+# o / 2 + 8 (o % 2)); VPUNPCK{L,H}WD join the two pairs: keys (0-3, 8-11) in one register
+# and (4-7, 12-15) in the other, the order the scores keep until they are stored.
+KEYS_BY_LANE = 0b11011000                     # VPERMQ: qwords 0, 2, 1, 3
+_PAIRS = [o // 2 + 8 * (o % 2) for o in range(16)]
+PAIR_DWORDS = [sum(_PAIRS[4 * i + j] << (8 * j) for j in range(4)) for i in range(4)] * 2
+
+
+def tile_scores_int8(heads, frame, tile, out, prefetch):
+    """tile_scores for a q8_0 arena on AVX2, the same sums as tile_scores_vnni: each block's
+    k_b . q_b exact in int32, VPMADDUBSW of |q| and k * sign(q) (VPSIGNB; no product pair
+    reaches 2^15), VPMADDWD with ones, then to f32 and one FMA per block into the score row,
+    which holds the tile's partial sums in the keys' (0-3, 8-11 | 4-7, 12-15) order until the
+    last block (the 16 registers hold no more than the int32 sums)."""
+    stride = Q8_QUERY_ROW
+    kp, scales, quants, query_scales, count, t = gp(), gp(), gp(), gp(), gp(), gp()
+    stride4 = gp()
+    MOV(stride4, frame.stride4)
+    zero = YMMRegister()
+    VXORPS(zero, zero, zero)
+    for h in range(heads):
+        for half in range(2):
+            VMOVUPS(row(out, stride4, h, half * CHUNK), zero)
+    MOV(kp, tile)
+    MOV(scales, frame.head_dim)
+    SHL(scales, LOG2_KV_BLOCK)
+    ADD(scales, tile)
+    LEA(quants, frame.query_rows)
+    MOV(t, frame.head_dim)
+    LEA(query_scales, [quants + t * 1])
+    MOV(count, frame.head_dim)
+    SHR(count, 5)
+    with Loop() as blocks:
+        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        sums = [[YMMRegister(), YMMRegister()] for _ in range(heads)]
+        for pair in sum(sums, []):
+            VPXOR(pair, pair, pair)
+        for g in range(KV_Q8_BLOCK // Q8_GROUP):
+            low, high = YMMRegister(), YMMRegister()
+            VPERMQ(low, [kp + g * KV_BLOCK * Q8_GROUP], KEYS_BY_LANE)
+            VPERMQ(high, [kp + g * KV_BLOCK * Q8_GROUP + CHUNK], KEYS_BY_LANE)
+            VPSHUFB(low, low, Constant.uint32x8(*PAIR_DWORDS))
+            VPSHUFB(high, high, Constant.uint32x8(*PAIR_DWORDS))
+            keys = [YMMRegister(), YMMRegister()]
+            VPUNPCKLWD(keys[0], low, high)
+            VPUNPCKHWD(keys[1], low, high)
+            for h in range(heads):
+                q, magnitude = YMMRegister(), YMMRegister()
+                VPBROADCASTD(q, [quants + h * stride + g * Q8_GROUP])
+                VPABSB(magnitude, q)
+                for half in range(2):
+                    product = YMMRegister()
+                    VPSIGNB(product, keys[half], q)
+                    VPMADDUBSW(product, magnitude, product)
+                    VPMADDWD(product, product, Constant.uint16x16(1))
+                    VPADDD(sums[h][half], sums[h][half], product)
+        key_low, key_high, by_lane = YMMRegister(), YMMRegister(), [YMMRegister(), YMMRegister()]
+        VMOVUPS(key_low, [scales])
+        VMOVUPS(key_high, [scales + CHUNK])
+        VPERM2F128(by_lane[0], key_low, key_high, 0x20)      # the scales of keys 0-3, 8-11
+        VPERM2F128(by_lane[1], key_low, key_high, 0x31)      # and of 4-7, 12-15
+        for h in range(heads):
+            scale_q = YMMRegister()
+            VBROADCASTSS(scale_q, [query_scales + h * stride])
+            for half in range(2):
+                total, product = sums[h][half], YMMRegister()
+                VCVTDQ2PS(total, total)
+                VMULPS(product, by_lane[half], scale_q)
+                VFMADD213PS(total, product, row(out, stride4, h, half * CHUNK))
+                VMOVUPS(row(out, stride4, h, half * CHUNK), total)
+        ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
+        ADD(scales, KV_BLOCK * FLOAT)
+        ADD(quants, KV_Q8_BLOCK)
+        ADD(query_scales, FLOAT)
+        DEC(count)
+        JNZ(blocks.begin)
+    scale = YMMRegister()
+    VBROADCASTSS(scale, frame.scale)
+    for h in range(heads):
+        first, second = YMMRegister(), YMMRegister()
+        VMOVUPS(first, row(out, stride4, h))
+        VMOVUPS(second, row(out, stride4, h, CHUNK))
+        keys_low, keys_high = YMMRegister(), YMMRegister()
+        VPERM2F128(keys_low, first, second, 0x20)            # keys 0-3, 4-7
+        VPERM2F128(keys_high, first, second, 0x31)           # keys 8-11, 12-15
+        VMULPS(keys_low, keys_low, scale)
+        VMULPS(keys_high, keys_high, scale)
+        VMOVUPS(row(out, stride4, h), keys_low)
+        VMOVUPS(row(out, stride4, h, CHUNK), keys_high)
 
 
 def emit_query_quants(heads, frame):
@@ -491,7 +565,10 @@ def emit_scores(heads, frame):
         block_row_address(frame, block, frame.k_head, tile)
         out = gp()
         MOV(out, frame.offset)
-        (tile_scores_vnni if frame.vnni else tile_scores)(heads, frame, tile, out, prefetch)
+        scores = tile_scores
+        if frame.q8:
+            scores = tile_scores_vnni if frame.wide else tile_scores_int8
+        scores(heads, frame, tile, out, prefetch)
         ADD(frame.offset, KV_BLOCK * FLOAT)
         block, end = gp(), gp()
         MOV(block, frame.key)
@@ -996,7 +1073,7 @@ def emit_heads(frame):
                 if heads < MAX_HEADS:
                     CMP(count, heads)
                     JNE(variant.end)
-                if frame.vnni:
+                if frame.q8:
                     emit_query_quants(heads, frame)
                 emit_segments(heads, frame)
                 emit_row_combine(heads, frame)

@@ -7,8 +7,8 @@ tolerances, per position, max |dlogit| <= tol * (1 + max |reference logit|):
 
     f32   1e-4     (float32 rounding only)
     f16   4e-3     (a 2^-11 relative error per stored value)
-    q8_0  4e-2     (half a quantization step, max|x|/254, per 32 values of K and V, and on
-                    AVX512_VNNI of q, which that variant scores as a q8_0 row)
+    q8_0  4e-2     (half a quantization step, max|x|/254, per 32 values of K, V and q, which
+                    q8_0 attention scores as a q8_0 row)
 
 and each type is batch invariant on its own: decode steps equal the prefill, bit for bit.
 """

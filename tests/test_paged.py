@@ -161,19 +161,14 @@ def draw_isa(data, head_dim, dtype=None):
     baseline, always)."""
     from llambda.runtime.native import paged as n_paged
     isas = [isa for isa in n_paged.attention_isas(dtype)
-            if isa == "avx2" or n_paged.wide_head_dim(head_dim, dtype)]
+            if isa == "avx2" or n_paged.wide_head_dim(head_dim)]
     return data.draw(st.sampled_from(isas), label="isa")
 
 
-def vnni(arena_type, isa):
-    """Whether this q8_0 variant scores with q quantized (AVX512_VNNI, runtime/native/paged.py)."""
-    return arena_type == "q8_0" and isa == "avx512"
-
-
-def queries_seen(q, arena_type, isa):
-    """q as the variant scores it."""
+def queries_seen(q, arena_type):
+    """q as the kernels score it: q8_0 attention quantizes each head of it to a q8_0 row."""
     from llambda.runtime.ref.paged import quantized
-    return buffers.aligned_copy(quantized(q)) if vnni(arena_type, isa) else q
+    return buffers.aligned_copy(quantized(q)) if arena_type == "q8_0" else q
 
 
 def scratch_for(native, step):
@@ -794,10 +789,7 @@ def check_ops_touch_nothing_past_their_arrays(native, ref, seed, head_dim, encod
     q = before_a_guard_page(rng.standard_normal((2, n_head, head_dim)).astype(np.float32), keep)
     out = before_a_guard_page(np.zeros(q.shape, np.float32), keep)
     want = np.zeros(q.shape)
-    from llambda.runtime.native import paged as n_paged
-    picked = n_paged.attention_isa(head_dim, dtype=k.dtype)             # the variant native runs
-    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None,
-                        quantized_queries=vnni("q8_0" if k.dtype == np.uint8 else "", picked))
+    ref.attention_paged(q, k, v, positions, row_seq, tables, 0.125, want, None)
     native.attention_paged(q, k, v, positions, row_seq, tables, 0.125, out,
                            native.paged_attention_scratch(n_blocks * KV_BLOCK))
     assert np.isfinite(want).all()
@@ -831,11 +823,11 @@ def dequantized(arena, head_dim):
 
 @settings(max_examples=40)
 @given(st.data())
-def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
-    """Each q8_0 variant: avx2 gives exactly the f32 kernel's bits over the dequantized values
-    (d * q); the AVX512_VNNI one scores with q quantized as a q8_0 row too. Both give the
-    reference's result on the values they score with within the f32 tolerance, and
-    kv_store_paged quantizes byte for byte as the reference (quantize_kv_q8)."""
+def test_q8_arena_scores_the_quantized_queries(native, ref, data):
+    """Each q8_0 variant gives the reference's result on what it scores with (q quantized as
+    a q8_0 row, the dequantized keys and values) within the f32 tolerance: a variant that
+    scored the unquantized q would be off by about scale * |k| * max|q| / 254 per block of
+    32. kv_store_paged quantizes byte for byte as the reference (quantize_kv_q8)."""
     n_head, n_kv, _, step = draw_step(data, window_too=True)
     head_dim = data.draw(st.sampled_from([32, 64, 96, 128, 256]), label="head_dim")
     step.shape = step.shape[:3] + (head_dim,)
@@ -844,21 +836,17 @@ def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
     k32, v32 = dequantized(k8, head_dim), dequantized(v8, head_dim)
     scratch = scratch_for(native, step)
     isa = draw_isa(data, head_dim, np.uint8)
-    got8, got32, want = nan_buffer(q.shape), nan_buffer(q.shape), np.full(q.shape, np.nan)
+    got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
     args = (step.positions, step.row_seq, step.tables, scale)
     from llambda.runtime.native import paged as n_paged
-    n_paged.attention_paged(q, keyed(k8), v8, *args, got8, scratch, window=step.window, isa=isa)
-    ref.attention_paged(q, keyed(k8), v8, *args, want, None, window=step.window,
-                        quantized_queries=vnni("q8_0", isa))
-    if isa == "avx2":
-        n_paged.attention_paged(q, keyed(k32), v32, *args, got32, scratch, window=step.window, isa=isa)
-        np.testing.assert_array_equal(got8, got32)
+    n_paged.attention_paged(q, keyed(k8), v8, *args, got, scratch, window=step.window, isa=isa)
+    ref.attention_paged(q, keyed(k8), v8, *args, want, None, window=step.window)
     seen_keys = [k32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                  for s, n in enumerate(step.lengths)]
     seen_values = [v32[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)
                    for s, n in enumerate(step.lengths)]
-    atol = tolerance(queries_seen(q, "q8_0", isa), seen_keys, seen_values, step, scale, False, n_head // n_kv)
-    error = np.abs(got8 - want)
+    atol = tolerance(queries_seen(q, "q8_0"), seen_keys, seen_values, step, scale, False, n_head // n_kv)
+    error = np.abs(got - want)
     assert (error <= atol).all(), f"{isa}: max error / tolerance {(error / atol).max()}"
 
     m = len(q)
@@ -870,20 +858,22 @@ def test_q8_arena_is_the_f32_kernel_on_dequantized_values(native, ref, data):
     np.testing.assert_array_equal(stored, expected)
 
 
-def vnni_or_skip():
+def q8_isas():
     from llambda.runtime.native import paged as n_paged
-    if "avx512" not in n_paged.attention_isas(np.uint8):
-        pytest.skip("this CPU or kernel library has no AVX512_VNNI q8_0 attention")
-    return n_paged
+    return n_paged.attention_isas(np.uint8)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("head_dim", [32, 1024])
-def test_q8_vnni_scores_at_the_edges(native, ref, head_dim):
-    """The VNNI variant on the quantization's edges, in q and in the keys: an all-zero block
+def test_q8_scores_at_the_edges(native, ref, head_dim, isa):
+    """Both q8_0 variants on the quantization's edges, in q and in the keys: an all-zero block
     (d = 0), a block of one value, values landing on .5 after scaling, huge and tiny
-    magnitudes, the extreme quants +-127 (k + 128 is 1 and 255), and head_dim up to its
-    stack copy's limit: the reference on the quantized q within the f32 tolerance."""
-    n_paged = vnni_or_skip()
+    magnitudes, the extreme quants +-127 (VNNI's k + 128 is 1 and 255; AVX2's pair of
+    products 2 * 127 * 127 stays below 2^15), and head_dim up to the queries' stack copy:
+    the reference within the f32 tolerance."""
+    from llambda.runtime.native import paged as n_paged
+    if isa not in q8_isas():
+        pytest.skip(f"this CPU or kernel library has no {isa} q8_0 attention")
     rng = np.random.default_rng(head_dim)
     n_kv, n_head, length = 1, 3, 40
     edges = [np.zeros(head_dim), np.full(head_dim, 3.0), np.arange(head_dim) % 64 - 31.5,
@@ -900,10 +890,10 @@ def test_q8_vnni_scores_at_the_edges(native, ref, head_dim):
     got, want = nan_buffer(q.shape), np.full(q.shape, np.nan)
     scratch = native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK, head_dim)
     args = (step.positions, step.row_seq, step.tables, scale)
-    n_paged.attention_paged(q, keyed(k8), v8, *args, got, scratch, isa="avx512")
-    ref.attention_paged(q, keyed(k8), v8, *args, want, None, quantized_queries=True)
+    n_paged.attention_paged(q, keyed(k8), v8, *args, got, scratch, isa=isa)
+    ref.attention_paged(q, keyed(k8), v8, *args, want, None)
     k32, v32 = dequantize_rows(k8, step, head_dim), dequantize_rows(v8, step, head_dim)
-    atol = tolerance(queries_seen(q, "q8_0", "avx512"), [k32], [v32], step, scale, False, n_head)
+    atol = tolerance(queries_seen(q, "q8_0"), [k32], [v32], step, scale, False, n_head)
     assert (np.abs(got - want) <= atol).all()
 
 
@@ -934,16 +924,28 @@ def test_without_vnni_a_q8_arena_gets_the_avx2_kernel(native, monkeypatch):
         n_paged.attention_isas.cache_clear()
 
 
-def test_q8_vnni_takes_head_dims_up_to_its_stack_copy(native):
-    """Past MAX_Q8_QUERY_HEAD_DIM the binding picks avx2 for a q8_0 arena, and names the limit
-    when avx512 is asked for."""
-    n_paged = vnni_or_skip()
+def test_q8_attention_takes_head_dims_up_to_its_stack_copy(native):
+    """Past MAX_Q8_QUERY_HEAD_DIM attention over a q8_0 arena is refused by name, on either
+    variant (the key store stops there too); float arenas have no such limit."""
+    from llambda.runtime.native import paged as n_paged
     limit = n_paged.MAX_Q8_QUERY_HEAD_DIM
-    assert n_paged.attention_isa(limit, dtype=np.uint8) == "avx512"
-    assert n_paged.attention_isa(limit + 32, dtype=np.uint8) == "avx2"
-    assert n_paged.attention_isa(limit + 32) == "avx512"           # float arenas have no such limit
-    with pytest.raises(ValueError, match=f"at most {limit} for a q8_0 arena, got head_dim {limit + 32}"):
-        n_paged.attention_isa(limit + 32, "avx512", np.uint8)
+    rng = np.random.default_rng(3)
+    for head_dim in (limit, limit + 32):
+        step = Step(rng, 1, head_dim, [20], [(0, 19)])
+        k8 = as_q8(step.arena([rng.standard_normal((1, 20, head_dim)).astype(np.float32)]))
+        q = buffers.aligned_copy(rng.standard_normal((1, 1, head_dim)), np.float32)
+        out = nan_buffer(q.shape)
+        scratch = native.paged_attention_scratch(step.tables.shape[1] * KV_BLOCK, head_dim)
+        for isa in q8_isas():
+            def call():
+                n_paged.attention_paged(q, keyed(k8), k8, step.positions, step.row_seq, step.tables, 0.1,
+                                        out, scratch, isa=isa)
+            if head_dim == limit:
+                call()
+                assert np.isfinite(out).all()
+            else:
+                with pytest.raises(ValueError, match=f"k_arena: attention over a q8_0 arena needs head_dim <= {limit}"):
+                    call()
 
 
 def test_q8_store_edges(native, ref):
@@ -970,10 +972,9 @@ def test_q8_store_edges(native, ref):
 def test_q8_arena_long_context_tolerance(native, ref):
     """A q8_0 cache against the float64 reference on the unquantized f32 keys, values and q,
     3000 keys, SmolLM2's shape, the variant the binding picks. Each element moves by <= d_b / 2
-    (d_b = max|x| / 127 of its block of 32): a key's by dk/2, and on AVX512_VNNI q's by dq/2
-    too, so a score by <= scale (sum_i dk_i/2 (|q_i| + dq_i/2) + |k_i| dq_i/2) and out by
-    <= 2 that max|v| + max d_v / 2."""
-    from llambda.runtime.native import paged as n_paged
+    (d_b = max|x| / 127 of its block of 32): a key's by dk/2 and q's by dq/2, so a score by
+    <= scale (sum_i dk_i/2 (|q_i| + dq_i/2) + |k_i| dq_i/2) and out by <= 2 that max|v| +
+    max d_v / 2."""
     from llambda.runtime.ref.paged import quantize_kv_q8
     n_head, n_kv, head_dim, keys, values, rows, step, q, scale = long_context(10)
     k8, v8 = as_q8(step.arena(keys)), as_q8(step.arena(values))
@@ -984,9 +985,7 @@ def test_q8_arena_long_context_tolerance(native, ref):
                         want, None)
     k_step = quantize_kv_q8(keys[0])[..., head_dim:].copy().view(np.float32)      # d per block [n_kv, length, 2]
     v_step = quantize_kv_q8(values[0])[..., head_dim:].copy().view(np.float32)
-    q_step = np.zeros(q.shape[:2] + (head_dim // 32,), np.float32)
-    if n_paged.attention_isa(head_dim, dtype=np.uint8) == "avx512":
-        q_step = quantize_kv_q8(q)[..., head_dim:].copy().view(np.float32)
+    q_step = quantize_kv_q8(q)[..., head_dim:].copy().view(np.float32)
     f32_bound = tolerance(q, keys, values, step, scale, False, n_head // n_kv)
     for i, (_, p) in enumerate(rows):
         for h in range(n_head):
@@ -1081,7 +1080,7 @@ def test_split_over_segments_gives_the_whole_rows_bits(native, ref, data, arena_
     n_paged.attention_paged(q, k_arena, v_arena, step.positions, step.row_seq, step.tables, scale, whole, scratch,
                             window=step.window, isa=isa)
     want = np.full(q.shape, np.nan)
-    q_seen = queries_seen(q, arena_type, isa)
+    q_seen = queries_seen(q, arena_type)
     ref.attention_paged(q_seen, k_seen, v_seen, step.positions, step.row_seq, step.tables, scale, want,
                         None, window=step.window)
     seen_keys = [k_rows[step.tables[s, np.arange(n) // KV_BLOCK], :, np.arange(n) % KV_BLOCK].transpose(1, 0, 2)

@@ -84,12 +84,18 @@ def main(argv=None):
             calls = [paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, isa=args.isa)
                      for k, v, t in sets]
             symbol = calls[0][0]
-            # the reference with q as given, and with q quantized (the AVX512_VNNI q8_0 kernel
-            # scores with q's q8_0 row; a library from before it does not)
-            wants = [np.zeros(q.shape, np.float32), np.zeros(q.shape, np.float32)]
+            # the reference (over q8_0 arenas it scores q's q8_0 rows, as the kernels do), and
+            # for q8_0 also over the dequantized arenas: a library from before q8_0's int8
+            # scores scored the unquantized q
             k, v, t = sets[0]
-            for want, quantized in zip(wants, (False, True)):
-                ref.attention_paged(q, k, v, positions, row_seq, t, SCALE, want, None, quantized_queries=quantized)
+            inputs = [(k, v)]
+            if kv == "q8_0":
+                rows = ref.dequantize_kv_q8(ref.key_rows(k, HEAD_DIM), HEAD_DIM)
+                inputs.append((buffers.aligned_copy(ref.key_tiles(rows, HEAD_DIM)),
+                               buffers.aligned_copy(ref.dequantize_kv_q8(v, HEAD_DIM))))
+            wants = [np.zeros(q.shape, np.float32) for _ in inputs]
+            for want, (k_in, v_in) in zip(wants, inputs):
+                ref.attention_paged(q, k_in, v_in, positions, row_seq, t, SCALE, want, None)
             fns = []
             for dll in dlls:
                 fn = getattr(dll, symbol)

@@ -47,9 +47,8 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 # stored rounded to nearest even (numpy's astype) and read exactly: its results are the
 # f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
 # A q8_0 arena is uint8 rows of int8 quants and f32 scales (codegen/contract.py
-# kv_q8_row_bytes), quantized on store as runtime/ref/paged.py quantize_kv_q8, read as
-# d * q: the avx2 kernel's results are the f32 kernel's on the dequantized values (the
-# avx512 one quantizes q too: attention_isas). It needs head_dim % 32 == 0.
+# kv_q8_row_bytes), quantized on store as runtime/ref/paged.py quantize_kv_q8; attention
+# scores it with q quantized the same way (Q8_WIDE_FLAGS below). It needs head_dim % 32 == 0.
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
                  np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
                  np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
@@ -71,11 +70,11 @@ def attention_symbol(dtype, isa):
     return ATTENTION_SYMBOLS[dtype].replace("__avx2", f"__{isa}")
 
 
-# The avx512 q8_0 variant computes its scores with AVX512_VNNI (codegen/paged.py
-# tile_scores_vnni: q quantized to a q8_0 row as the store quantizes, exact int8 dot
-# products): it needs that flag as well, and head_dim <= MAX_Q8_QUERY_HEAD_DIM (its stack
-# copy of the queries). Its scores are those of the quantized q (runtime/ref/paged.py
-# attention_paged, quantized_queries=True), so it is not the f32 kernel on dequantized values.
+# q8_0 scores are exact int8 dot products of the key's quants and q's, each head of q
+# quantized once per row as the store quantizes a row (codegen/paged.py tile_scores_vnni on
+# avx512, which needs AVX512_VNNI as well, and tile_scores_int8 on avx2): the scores of the
+# quantized q (runtime/ref/paged.py attention_paged). Both keep q's q8_0 rows on the stack:
+# head_dim <= MAX_Q8_QUERY_HEAD_DIM (the key store's limit too, MAX_KEY_HEAD_DIM).
 Q8_WIDE_FLAGS = ("avx512_vnni", "avx512vnni")          # as Linux or py-cpuinfo spell it
 MAX_Q8_QUERY_HEAD_DIM = 1024
 
@@ -92,11 +91,9 @@ def attention_isas(dtype=None):
     return isas
 
 
-def wide_head_dim(head_dim, dtype=None):
-    """Whether the avx512 variant of ``dtype``'s kernel takes this head_dim."""
-    if head_dim % WIDE_HEAD_DIM_MULTIPLE:
-        return False
-    return dtype is None or np.dtype(dtype) != np.uint8 or head_dim <= MAX_Q8_QUERY_HEAD_DIM
+def wide_head_dim(head_dim):
+    """Whether the avx512 variant takes this head_dim."""
+    return head_dim % WIDE_HEAD_DIM_MULTIPLE == 0
 
 
 def attention_isa(head_dim, isa=None, dtype=None):
@@ -107,16 +104,15 @@ def attention_isa(head_dim, isa=None, dtype=None):
         if isa not in attention_isas(dtype):
             raise ValueError(f"isa: expected one of {', '.join(attention_isas(dtype))} (the attention variants "
                              f"this CPU and kernel library run{' for a q8_0 arena' if q8 else ''}), got {isa!r}")
-        if isa == "avx512" and not wide_head_dim(head_dim, dtype):
-            limit = f" and at most {MAX_Q8_QUERY_HEAD_DIM} for a q8_0 arena" if q8 else ""
-            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0{limit}, "
+        if isa == "avx512" and not wide_head_dim(head_dim):
+            raise ValueError(f"isa: avx512 attention needs head_dim % {WIDE_HEAD_DIM_MULTIPLE} == 0, "
                              f"got head_dim {head_dim}")
         return isa
     cap = os.environ.get("LLAMBDA_ISA") or ATTENTION_ISAS[-1]
     if cap not in ATTENTION_ISAS:
         raise ValueError(f"LLAMBDA_ISA: expected one of {', '.join(ATTENTION_ISAS)}, got {cap!r}")
     wide = ("avx512" in attention_isas(dtype) and ATTENTION_ISAS.index(cap) >= 1
-            and wide_head_dim(head_dim, dtype))
+            and wide_head_dim(head_dim))
     return "avx512" if wide else "avx2"
 
 
@@ -191,6 +187,9 @@ def _arena_dtype(name, arena, symbols, head_dim):
     if head_dim % multiple:
         raise ValueError(f"{name}: a {ARENA_NAMES[arena.dtype]} arena needs head_dim % {multiple} == 0, "
                          f"got head_dim {head_dim}")
+    if arena.dtype == np.uint8 and symbols is ATTENTION_SYMBOLS and head_dim > MAX_Q8_QUERY_HEAD_DIM:
+        raise ValueError(f"{name}: attention over a q8_0 arena needs head_dim <= {MAX_Q8_QUERY_HEAD_DIM} "
+                         f"(the kernel's copy of q's quantized rows), got head_dim {head_dim}")
     row = kv_q8_row_bytes(head_dim) if arena.dtype == np.uint8 else head_dim
     return arena.dtype, row
 

@@ -59,7 +59,7 @@ def dequantize_kv_q8(rows, head_dim):
 
 
 def quantized(x):
-    """x's values as its q8_0 rows hold them: what the AVX512_VNNI q8_0 kernels score with."""
+    """x's values as its q8_0 rows hold them: the queries q8_0 attention scores with."""
     return dequantize_kv_q8(quantize_kv_q8(x), np.shape(x)[-1])
 
 
@@ -117,7 +117,7 @@ def kv_store_paged(src, positions, row_seq, tables, arena, heads=None, keys=Fals
 
 
 def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out, scratch,
-                    heads=None, window=0, quantized_queries=False):
+                    heads=None, window=0):
     """out[i, h] = sum_j p_j v_j, p = softmax_j(scale * q[i, h] . k_j), over the keys row i at
     position p = positions[i] sees in its sequence (tables[row_seq[i]]): j <= p, and
     p - j < window when window > 0; kv = h // (n_head // n_kv_head). In float64, from the math.
@@ -126,10 +126,10 @@ def attention_paged(q, k_arena, v_arena, positions, row_seq, tables, scale, out,
     (``key_tiles``); heads=(h0, h1) computes
     only those query heads; scratch (from ``paged_attention_scratch``) is unused here.
 
-    ``quantized_queries`` (q8_0 arenas): each head of q scores as its q8_0 row
-    (``quantize_kv_q8``, dequantized), as the kernels on AVX512_VNNI compute the scores."""
+    Over q8_0 arenas each head of q scores as its q8_0 row (``quantize_kv_q8``, dequantized),
+    as the kernels compute int8 dot products."""
     m, n_head, _ = q.shape
-    if quantized_queries and k_arena.dtype == np.uint8:
+    if k_arena.dtype == np.uint8:
         q = quantized(q)
     group = n_head // k_arena.shape[1]
     k_arena = key_rows(k_arena, q.shape[-1])

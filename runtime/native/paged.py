@@ -48,7 +48,7 @@ __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gath
 # f32 kernel's on the rounded values. It needs head_dim % 8 == 0 (whole 8-half chunks).
 # A q8_0 arena is uint8 rows of int8 quants and f32 scales (codegen/contract.py
 # kv_q8_row_bytes), quantized on store as runtime/ref/paged.py quantize_kv_q8; attention
-# scores it with q quantized the same way (Q8_WIDE_FLAGS below). It needs head_dim % 32 == 0.
+# scores it with q quantized the same way (see MAX_Q8_QUERY_HEAD_DIM). It needs head_dim % 32 == 0.
 STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
                  np.dtype(np.float16): "llb_kv_store_paged_f16__avx2",
                  np.dtype(np.uint8): "llb_kv_store_paged_q8_0__avx2"}
@@ -187,9 +187,6 @@ def _arena_dtype(name, arena, symbols, head_dim):
     if head_dim % multiple:
         raise ValueError(f"{name}: a {ARENA_NAMES[arena.dtype]} arena needs head_dim % {multiple} == 0, "
                          f"got head_dim {head_dim}")
-    if arena.dtype == np.uint8 and symbols is ATTENTION_SYMBOLS and head_dim > MAX_Q8_QUERY_HEAD_DIM:
-        raise ValueError(f"{name}: attention over a q8_0 arena needs head_dim <= {MAX_Q8_QUERY_HEAD_DIM} "
-                         f"(the kernel's copy of q's quantized rows), got head_dim {head_dim}")
     row = kv_q8_row_bytes(head_dim) if arena.dtype == np.uint8 else head_dim
     return arena.dtype, row
 
@@ -308,6 +305,9 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
     q_at = checked_address("q", q, F32, ndim=3)
     m, n_head, head_dim = q.shape
     dtype, row = _arena_dtype("k_arena", k_arena, ATTENTION_SYMBOLS, head_dim)
+    if dtype == np.uint8 and head_dim > MAX_Q8_QUERY_HEAD_DIM:
+        raise ValueError(f"k_arena: attention over a q8_0 arena needs head_dim <= {MAX_Q8_QUERY_HEAD_DIM} "
+                         f"(the kernel's copy of q's quantized rows), got head_dim {head_dim}")
     k_at, block_heads = _arena_address("k_arena", k_arena, dtype, None)
     n_blocks, n_kv, block, k_row = k_arena.shape
     if block != KV_BLOCK:

@@ -10,9 +10,10 @@ USER_DEFINED token's text merges like any other, as in llama.cpp; llambda.tokeni
 special texts out before the merge), but the <0xXX> byte tokens, which stay BYTE pieces.
 
 The library needs what a GGUF vocabulary may lack or repeat: every piece text unique,
-non-empty and UTF-8, and one UNKNOWN piece. A repeated text belongs to its last id (as
-in llama.cpp); the earlier ids, an empty text and a text that is not UTF-8 are UNUSED
-placeholders, which never merge. The UNKNOWN piece is one added past the vocabulary: it
+non-empty, UTF-8 and free of NUL, and one UNKNOWN piece. A repeated text belongs to its
+last id (as in llama.cpp); the earlier ids, an empty text, a text that is not UTF-8 and one
+holding a NUL are UNUSED placeholders, which never merge (a NUL in the text then falls back
+to its byte token, where llama.cpp would find the text). The UNKNOWN piece is one added past the vocabulary: it
 comes out only for a run of characters with neither a piece nor byte fallback (a
 vocabulary short of some of the 256 <0xXX> tokens), and stands for the file's unknown
 token (or for nothing, when the file names none).
@@ -47,8 +48,11 @@ class SentencePieceEngine:
         import sentencepiece
         self._n_tokens = len(tokens)
         self._unknown_id = unknown_id
-        self._processor = sentencepiece.SentencePieceProcessor(
-            model_proto=model_proto(tokens, scores, token_types))
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(
+                model_proto=model_proto(tokens, scores, token_types))
+        except RuntimeError as e:            # as a ValueError, which the loader names the file in
+            raise ValueError(f"sentencepiece refused the vocabulary: {e}") from None
 
     def encode(self, text, add_special_tokens=False):
         ids = self._processor.encode(text)
@@ -68,10 +72,12 @@ MODEL_BPE = 2                                                         # TrainerS
 def model_proto(tokens, scores, token_types):
     """The serialized SentencePiece ModelProto of a GGUF vocabulary (see the module doc)."""
     texts = set(tokens)
-    if len(texts) == len(tokens) and all(tokens) and is_text("".join(tokens)):
+    joined = "".join(tokens)
+    if len(texts) == len(tokens) and all(tokens) and "\0" not in joined and is_text(joined):
         kinds = [PIECE_NORMAL] * len(tokens)    # the usual vocabulary: every text its own piece
     else:
-        last = {text: token_id for token_id, text in enumerate(tokens) if text and is_text(text)}
+        last = {text: token_id for token_id, text in enumerate(tokens)
+                if text and "\0" not in text and is_text(text)}
         kinds = [PIECE_NORMAL if last.get(text) == token_id else PIECE_UNUSED
                  for token_id, text in enumerate(tokens)]
     byte_ids = [token_id for token_id, kind in enumerate(token_types)

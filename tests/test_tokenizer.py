@@ -134,16 +134,18 @@ def test_sentencepiece_merges_the_best_score_then_the_leftmost_pair():
 
 
 def test_sentencepiece_engine_takes_what_a_gguf_vocabulary_may_hold():
-    """A repeated text merges to its last id, an empty or non-UTF-8 text never comes out,
-    a CONTROL or USER_DEFINED token's text merges like any other (as in llama.cpp), and a
-    character with no piece and no byte fallback is the file's unknown id, or nothing."""
+    """A repeated text merges to its last id; an empty text, a non-UTF-8 one and one holding a
+    NUL (which the library refuses) never come out; a CONTROL or USER_DEFINED token's text
+    merges like any other (as in llama.cpp); a character with no piece and no byte fallback
+    is the file's unknown id, or nothing."""
     bad = "\udcff"                                                  # a surrogate escape: not UTF-8
-    tokens = ["<unk>", "a", "b", "ab", "", bad, "ab", "<c>", "<", "c", ">", "<c"]
-    types = [TokenType.UNKNOWN, 1, 1, 1, 1, 1, 1, TokenType.CONTROL, 1, 1, 1, 1]
-    engine = _spm(tokens, [0, 0, 0, 1, 0, 0, 1, 3, 0, 0, 0, 2], types, unknown_id=0)
+    tokens = ["<unk>", "a", "b", "ab", "", bad, "ab", "<c>", "<", "c", ">", "<c", "a\0"]
+    types = [TokenType.UNKNOWN, 1, 1, 1, 1, 1, 1, TokenType.CONTROL, 1, 1, 1, 1, 1]
+    engine = _spm(tokens, [0, 0, 0, 1, 0, 0, 1, 3, 0, 0, 0, 2, 0], types, unknown_id=0)
     assert engine.encode("ab").ids == [6]
     assert engine.encode("<c>").ids == [7]
     assert engine.encode("aé").ids == [1, 0]
+    assert engine.encode("a\0").ids == [1, 0]
     assert _spm(tokens[1:4]).encode("aéb").ids == [0, 1]             # no unknown id: dropped
     assert _spm(["<llambda:unknown>", "a"]).encode("aa").ids == [1, 1]
 

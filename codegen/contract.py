@@ -30,6 +30,9 @@ KV_BLOCK = 16        # positions per KV block
 # q = rint(x / d) (x times the f32 1/d, nearest even), d = 0 for an all-zero block.
 KV_Q8_BLOCK = 32
 KV_Q8_SCALE_BYTES = 4
+# q8_0 attention quantizes each head of q into a q8_0 row on the kernel's stack
+# (codegen/paged.py emit_query_quants): head_dim up to this; the binding refuses more.
+MAX_Q8_QUERY_HEAD_DIM = 1024
 # Key arenas (the K cache) hold the same bytes per (block, KV head) as KV_BLOCK rows, laid out
 # as a key tile: [head_dim][KV_BLOCK], element d of key j of the block at d * KV_BLOCK + j, so
 # the scores kernel multiplies a vector of the block's keys by one broadcast q element (no

@@ -73,7 +73,8 @@ from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .peachpy_ext import VPDPBUSD, broadcast
-from .contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, PARTIAL_EXTRA, kv_q8_row_bytes
+from .contract import (KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, PARTIAL_EXTRA,
+                       kv_q8_row_bytes)
 from .vmath import exp_ps, first_dword
 
 FAMILY = "paged"
@@ -104,7 +105,6 @@ SCORE_SLACK = KV_BLOCK              # floats before the first score row: a first
 # stack (quants, scales, then -128 * the sum of each block's quants), Q8_QUERY_ROW bytes apart.
 # Not a multiple of 64: a {1to16} operand's displacement h * Q8_QUERY_ROW + 4 g must not be
 # one (peachpy_ext.broadcast).
-MAX_Q8_QUERY_HEAD_DIM = 1024        # the binding picks avx2 for a larger q8_0 head_dim
 Q8_QUERY_ROW = kv_q8_row_bytes(MAX_Q8_QUERY_HEAD_DIM) + MAX_Q8_QUERY_HEAD_DIM // KV_Q8_BLOCK * 4 + 4
 Q8_GROUP = 4                        # dimensions per vpdpbusd dword
 # A key tile's 64 bytes of 4 dimensions x 16 keys ([d][key]) to 16 dwords of one key's 4
@@ -310,6 +310,30 @@ def tile_scores(heads, frame, tile, out, prefetch):
             VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
 
 
+def q8_tile_pointers(frame, tile):
+    """Registers at the first block of 32 dimensions of a q8_0 key tile and of the tile's
+    first head in frame.query_rows: (key quants, key scales [head_dim / 32][KV_BLOCK],
+    query quants, query scales (a q8_0 row: after the quants), blocks of 32 to go)."""
+    kp, scales, quants, query_scales, count = gp(), gp(), gp(), gp(), gp()
+    MOV(kp, tile)
+    MOV(scales, frame.head_dim)
+    SHL(scales, LOG2_KV_BLOCK)
+    ADD(scales, tile)
+    LEA(quants, frame.query_rows)
+    MOV(count, frame.head_dim)
+    LEA(query_scales, [quants + count * 1])
+    SHR(count, 5)
+    return kp, scales, quants, query_scales, count
+
+
+def next_q8_block(kp, scales, quants, query_scales):
+    """q8_tile_pointers' pointers on to the next block of 32 dimensions."""
+    ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
+    ADD(scales, KV_BLOCK * FLOAT)
+    ADD(quants, KV_Q8_BLOCK)
+    ADD(query_scales, FLOAT)
+
+
 def tile_scores_vnni(heads, frame, tile, out, prefetch):
     """tile_scores for a q8_0 arena on AVX512_VNNI: out[h][j] = scale * sum_b (d_kb * d_qb) *
     (k_b . q_b) over the blocks b of 32 dimensions, k_b . q_b exact in int32 from the key's
@@ -324,18 +348,11 @@ def tile_scores_vnni(heads, frame, tile, out, prefetch):
     accs = [frame.vec() for _ in range(heads)]
     for a in accs:
         VXORPS(a, a, a)
-    kp, scales, quants, query_scales, sums, count, t = gp(), gp(), gp(), gp(), gp(), gp(), gp()
-    MOV(kp, tile)
-    MOV(scales, frame.head_dim)
-    SHL(scales, LOG2_KV_BLOCK)
-    ADD(scales, tile)                                # the key scales [head_dim / 32][KV_BLOCK]
-    LEA(quants, frame.query_rows)
+    kp, scales, quants, query_scales, count = q8_tile_pointers(frame, tile)
+    sums, t = gp(), gp()
     MOV(t, frame.head_dim)
-    LEA(query_scales, [quants + t * 1])              # a q8_0 row: the scales after the quants
     SHR(t, 3)
     LEA(sums, [query_scales + t * 1])                # then -128 * each block's sum of quants
-    MOV(count, frame.head_dim)
-    SHR(count, 5)
     order, lanes, bias = ZMMRegister(), ZMMRegister(), ZMMRegister()
     # 256-bit constants: PeachPy takes one constant size per function
     VBROADCASTI64X4(order, Constant.uint32x8(*TRANSPOSE_DWORDS[:8]))
@@ -364,10 +381,7 @@ def tile_scores_vnni(heads, frame, tile, out, prefetch):
             product = ZMMRegister()
             VMULPS(product, key_scales, broadcast([query_scales + h * stride]))
             VFMADD231PS(accs[h], total, product)
-        ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
-        ADD(scales, KV_BLOCK * FLOAT)
-        ADD(quants, KV_Q8_BLOCK)
-        ADD(query_scales, FLOAT)
+        next_q8_block(kp, scales, quants, query_scales)
         ADD(sums, FLOAT)
         DEC(count)
         JNZ(blocks.begin)
@@ -397,7 +411,6 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
     which holds the tile's partial sums in the keys' (0-3, 8-11 | 4-7, 12-15) order until the
     last block (the 16 registers hold no more than the int32 sums)."""
     stride = Q8_QUERY_ROW
-    kp, scales, quants, query_scales, count, t = gp(), gp(), gp(), gp(), gp(), gp()
     stride4 = gp()
     MOV(stride4, frame.stride4)
     zero = YMMRegister()
@@ -405,15 +418,7 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
     for h in range(heads):
         for half in range(2):
             VMOVUPS(row(out, stride4, h, half * CHUNK), zero)
-    MOV(kp, tile)
-    MOV(scales, frame.head_dim)
-    SHL(scales, LOG2_KV_BLOCK)
-    ADD(scales, tile)
-    LEA(quants, frame.query_rows)
-    MOV(t, frame.head_dim)
-    LEA(query_scales, [quants + t * 1])
-    MOV(count, frame.head_dim)
-    SHR(count, 5)
+    kp, scales, quants, query_scales, count = q8_tile_pointers(frame, tile)
     with Loop() as blocks:
         prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
         sums = [[YMMRegister(), YMMRegister()] for _ in range(heads)]
@@ -452,10 +457,7 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
                 VMULPS(product, by_lane[half], scale_q)
                 VFMADD213PS(total, product, row(out, stride4, h, half * CHUNK))
                 VMOVUPS(row(out, stride4, h, half * CHUNK), total)
-        ADD(kp, KV_Q8_BLOCK * KV_BLOCK)
-        ADD(scales, KV_BLOCK * FLOAT)
-        ADD(quants, KV_Q8_BLOCK)
-        ADD(query_scales, FLOAT)
+        next_q8_block(kp, scales, quants, query_scales)
         DEC(count)
         JNZ(blocks.begin)
     scale = YMMRegister()
@@ -475,8 +477,9 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
 
 def emit_query_quants(heads, frame):
     """The tile's heads of q as q8_0 rows in frame.query_rows (Q8_QUERY_ROW bytes apart):
-    quantize_row's bytes (runtime/ref/paged.py quantize_kv_q8), then per block of 32
-    -128 * the sum of its quants (int32), which tile_scores_vnni starts each block's sum at."""
+    quantize_row's bytes (runtime/ref/paged.py quantize_kv_q8), then, for the avx512
+    variant, per block of 32 -128 * the sum of its quants (int32), which tile_scores_vnni
+    starts each block's sum at (AVX2's sign trick needs no bias)."""
     head_dim, src, dst = gp(), gp(), gp()
     for h in range(heads):
         MOV(head_dim, frame.head_dim)
@@ -490,6 +493,8 @@ def emit_query_quants(heads, frame):
         if h:
             ADD(dst, h * Q8_QUERY_ROW)
         quantize_row(head_dim, src, dst)
+        if not frame.wide:
+            continue
         quants, sums, count = gp(), gp(), gp()
         MOV(quants, dst)
         MOV(sums, head_dim)

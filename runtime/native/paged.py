@@ -32,7 +32,8 @@ import os
 
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_q8_row_bytes, kv_segments
+from ...codegen.contract import (KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, kv_partial_floats,
+                                 kv_q8_row_bytes, kv_segments)
 from .. import buffers
 from .. import cpu
 from .. import library
@@ -76,7 +77,6 @@ def attention_symbol(dtype, isa):
 # quantized q (runtime/ref/paged.py attention_paged). Both keep q's q8_0 rows on the stack:
 # head_dim <= MAX_Q8_QUERY_HEAD_DIM (the key store's limit too, MAX_KEY_HEAD_DIM).
 Q8_WIDE_FLAGS = ("avx512_vnni", "avx512vnni")          # as Linux or py-cpuinfo spell it
-MAX_Q8_QUERY_HEAD_DIM = 1024
 
 
 @functools.lru_cache(maxsize=None)

@@ -116,6 +116,16 @@ def test_a_sentencepiece_vocabulary_loads_without_the_cache(spm_recorded, tmp_pa
     assert not (tmp_path / "tokenizers").exists()
 
 
+def test_a_vocabulary_sentencepiece_refuses_is_one_error_naming_the_file(spm_recorded, monkeypatch):
+    """Whatever the library still refuses (here: a model file it cannot parse) is a UserError
+    naming the file and the library's reason, not a RuntimeError from inside it."""
+    from llambda import convert, spm_engine
+    monkeypatch.setattr(spm_engine, "model_proto", lambda *args: b"not a model")
+    with pytest.raises(UserError, match=r"model\.gguf: the tokenizer cannot be built \(ValueError: "
+                                        r"sentencepiece refused the vocabulary"):
+        convert.build_tokenizer("model.gguf", sentencepiece_md(spm_recorded))
+
+
 def _spm(tokens, scores=None, types=None, unknown_id=None):
     from llambda.spm_engine import SentencePieceEngine
     scores = [0.0] * len(tokens) if scores is None else scores

@@ -7,7 +7,8 @@ one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
 
     format, schema    "llambda-model", SCHEMA_VERSION
     config            ModelConfig.to_dict()
-    tokenizer         every ``tokenizer.*`` GGUF key, verbatim (full key names)
+    tokenizer         every ``tokenizer.*`` GGUF key (full key names), verbatim but for its
+                      long lists, stored as arrays "tokenizer/<key>" (llambda/tokenizer_arrays.py)
     gguf              the other GGUF keys (general.*, llama.*), for ``info``
     source            file name and size of the GGUF it came from
     packer            fingerprint of the layout code that packed the matrices
@@ -31,14 +32,15 @@ import numpy as np
 from llambda.runtime import layouts, paths, weightfile
 from llambda.runtime.layouts import PackedWeight
 
-from . import integrity
+from . import integrity, tokenizer_arrays
 from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
 from .gguf_file import GGUFFile
 
 MODEL_FORMAT = "llambda-model"
-SCHEMA_VERSION = 2     # 2: per-architecture config (windows, RoPE per layer, scales)
+SCHEMA_VERSION = 3     # 2: per-architecture config (windows, RoPE per layer, scales); 3: the
+                       # tokenizer's long lists as arrays (tokenizer_arrays)
 SUFFIX = ".llb"
 
 # ---------------------------------------------------------------- GGUF -> llambda
@@ -65,11 +67,14 @@ def convert(gguf_path, out_path=None, progress=True):
     _check_tensors(config, tensors)
 
     arrays, vectors, packed = _repack(tensors, progress)
+    tokenizer_md, tokenizer_lists = tokenizer_arrays.split(
+        {k: v for k, v in gguf_metadata.items() if k.startswith("tokenizer.")})
+    arrays.update(tokenizer_lists)
     metadata = {
         "format": MODEL_FORMAT,
         "schema": SCHEMA_VERSION,
         "config": config.to_dict(),
-        "tokenizer": {k: v for k, v in gguf_metadata.items() if k.startswith("tokenizer.")},
+        "tokenizer": tokenizer_md,
         "gguf": {k: v for k, v in gguf_metadata.items() if not k.startswith("tokenizer.")},
         "source": {"file": gguf_path.name, "bytes": gguf_path.stat().st_size},
         "packer": packer_fingerprint(),
@@ -385,7 +390,7 @@ def load_model_file(path, verify=True):
         _check_shapes(config, shapes, f"{path}")
     except UserError as e:
         raise UserError(f"{e} (the header disagrees with its tensor table: convert the GGUF again)") from None
-    return config, _tokenizer_of(metadata, path), weights
+    return config, _tokenizer_of(metadata, path, weights_file), weights
 
 
 def _config_of(path, metadata):
@@ -410,7 +415,8 @@ def tokenizer_metadata(path):
     if kind == "gguf":
         return GGUFFile(path).metadata(_is_tokenizer_key)
     if kind == "llambda":
-        return _tokenizer_of(_model_metadata(_open(path)), path)
+        weights_file = _open(path)
+        return _tokenizer_of(_model_metadata(weights_file), path, weights_file)
     raise UserError(f"{path}: neither a GGUF nor a llambda model file")
 
 
@@ -423,11 +429,11 @@ def _is_tokenizer_key(key):
     return key.startswith("tokenizer.") or key in _TOKENIZER_HINTS
 
 
-def _tokenizer_of(metadata, path=None):
+def _tokenizer_of(metadata, path, weights_file):
     tokenizer, gguf = metadata["tokenizer"], metadata.get("gguf", {})
     if not isinstance(tokenizer, dict) or not isinstance(gguf, dict):
         raise UserError(f"{path}: model metadata 'tokenizer' and 'gguf' must be mappings: convert the GGUF again")
-    tokenizer = dict(tokenizer)
+    tokenizer = tokenizer_arrays.expand(tokenizer, weights_file, path)
     tokenizer.update({key: gguf[key] for key in _TOKENIZER_HINTS if key in gguf})
     return tokenizer
 
@@ -503,7 +509,8 @@ def info(path):
              f"source     {metadata.get('source', {}).get('file', '?')}"
              f" ({metadata.get('gguf', {}).get('general.name', 'unnamed')})"]
     lines += ["", "config"] + [f"  {key:<16} {value}" for key, value in config.to_dict().items()]
-    lines += ["", "tokenizer"] + [f"  {line}" for line in _tokenizer_summary(metadata["tokenizer"])]
+    tokenizer = _tokenizer_of(metadata, path, weights_file)
+    lines += ["", "tokenizer"] + [f"  {line}" for line in _tokenizer_summary(tokenizer)]
     lines += ["", "tensors"] + [f"  {line}" for line in _tensor_table(weights_file, metadata)]
     return "\n".join(lines)
 

@@ -288,6 +288,13 @@ def _edit_header(header, rng):
         tok = metadata["tokenizer"]
         key = rng.choice(sorted(tok))
         old = tok[key]
+        if isinstance(old, dict) and "array" in old:         # a long list stored as an array
+            field = rng.choice(("array", "kind", "count"))
+            old = dict(old)
+            old[field] = rng.choice(("nope", "texts", "int32", "float32", "bogus", -1, 0, 1, 10**9, None,
+                                     old.get("count", 0) + 1))
+            tok[key] = old
+            return f"tokenizer {key} reference {field} edited"
         if isinstance(old, list) and old:
             old = list(old)
             i = rng.randrange(len(old))

@@ -42,9 +42,10 @@ def _kind(items):
         return "texts"
     if all(isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31 for v in items):
         return "int32"
-    if all(isinstance(v, float) for v in items) and np.array_equal(
-            np.array(items, np.float32).astype(np.float64), np.array(items, np.float64)):
-        return "float32"
+    if all(isinstance(v, float) for v in items):
+        with np.errstate(over="ignore", invalid="ignore"):      # past f32's range: inf, unequal
+            exact = np.array_equal(np.array(items, np.float32).astype(np.float64), np.array(items, np.float64))
+        return "float32" if exact else None
     return None
 
 

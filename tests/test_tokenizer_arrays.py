@@ -1,6 +1,8 @@
 """The tokenizer's long lists stored as arrays of the model file (llambda/tokenizer_arrays.py):
 a conversion's header holds references, a load gives the GGUF's lists back verbatim, and a
 damaged reference is one UserError naming the file and the key."""
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -34,12 +36,16 @@ def test_long_lists_become_arrays_and_come_back_verbatim():
     ["a\0b"] + ["a"] * N,                 # a NUL: joined texts would not split back
     [True, False] * N,                    # bools are no int32
     [0.1] * N,                            # not exactly an f32
+    [1e39] * N,                           # past f32's range (and no overflow warning)
+    [float("nan")] * N,                   # NaN equals nothing
     [1, "a"] * N,                         # mixed
     [2**31] + [0] * N,                    # past int32
     [[1]] * N,                            # nested
 ])
 def test_other_lists_stay_in_the_header(items):
-    kept, arrays = ta.split({"tokenizer.x": items})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept, arrays = ta.split({"tokenizer.x": items})
     assert kept == {"tokenizer.x": items} and arrays == {}
 
 

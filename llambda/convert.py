@@ -37,6 +37,7 @@ from .arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from .config import ModelConfig
 from .errors import UserError
 from .gguf_file import GGUFFile
+from .inputs import is_count
 
 MODEL_FORMAT = "llambda-model"
 SCHEMA_VERSION = 3     # 2: per-architecture config (windows, RoPE per layer, scales); 3: the
@@ -471,7 +472,7 @@ def _metadata_shape_problem(metadata):
         return "'layouts' is not a mapping"
     for name, entry in layouts_.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str)
-                and all(_is_count(entry.get(key)) for key in ("n", "k"))
+                and all(is_count(entry.get(key)) for key in ("n", "k"))
                 and isinstance(entry.get("meta"), dict) and isinstance(entry.get("arrays"), list)
                 and all(isinstance(a, str) for a in entry["arrays"])):
             return f"layout of {name!r} is not {{kind, n, k, meta, arrays}}"
@@ -482,10 +483,6 @@ def _metadata_shape_problem(metadata):
     if not isinstance(metadata.get("gguf", {}), dict) or not isinstance(metadata.get("source", {}), dict):
         return "'gguf' or 'source' is not a mapping"
     return None
-
-
-def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(path, progress=False):
@@ -501,7 +498,7 @@ def verify(path, progress=False):
 
 def info(path):
     """A human-readable summary: source, config, tokenizer, tensor table."""
-    load_model_file(path, verify=False)        # every structural check a load makes
+    _, tokenizer, _ = load_model_file(path, verify=False)     # every structural check a load makes
     weights_file = _open(path)
     metadata = _model_metadata(weights_file)
     config = _config_of(path, metadata)
@@ -509,7 +506,6 @@ def info(path):
              f"source     {metadata.get('source', {}).get('file', '?')}"
              f" ({metadata.get('gguf', {}).get('general.name', 'unnamed')})"]
     lines += ["", "config"] + [f"  {key:<16} {value}" for key, value in config.to_dict().items()]
-    tokenizer = _tokenizer_of(metadata, path, weights_file)
     lines += ["", "tokenizer"] + [f"  {line}" for line in _tokenizer_summary(tokenizer)]
     lines += ["", "tensors"] + [f"  {line}" for line in _tensor_table(weights_file, metadata)]
     return "\n".join(lines)

@@ -34,6 +34,11 @@ def is_text(text):
         return False
 
 
+def is_count(value):
+    """Whether a JSON value is a count: an int >= 0 (a bool is none)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_text(text, what="text"):
     """``text`` if it is a str that encodes to UTF-8, else a UserError naming ``what``."""
     if not isinstance(text, str):

@@ -16,6 +16,7 @@ reference against the file, so the rest of llambda sees the GGUF's keys verbatim
 import numpy as np
 
 from .errors import UserError
+from .inputs import is_count
 
 MIN_ITEMS = 1024
 PREFIX = "tokenizer/"
@@ -68,8 +69,7 @@ def _unpack(key, ref, weights_file, path):
     def bad(problem):
         return UserError(f"{path}: {key}: {problem}: convert the GGUF again")
     name, kind, count = ref.get("array"), ref.get("kind"), ref.get("count")
-    if not (isinstance(name, str) and kind in KINDS and isinstance(count, int) and not isinstance(count, bool)
-            and count >= 0):
+    if not (isinstance(name, str) and kind in KINDS and is_count(count)):
         raise bad(f"the reference {ref!r:.120} is not {{array, kind, count}}")
     try:
         array = weights_file[name]

@@ -28,6 +28,7 @@ import numpy as np
 from llambda.runtime import buffers, layouts
 from llambda.runtime.kinds import traits
 from llambda.runtime.linear import Linear
+from llambda.runtime.thread_choice import ThreadChoice
 
 from llambda.codegen.contract import KV_BLOCK
 
@@ -132,6 +133,7 @@ class TransformerModel:
         if self.backend.runs_plans and self.pool is None:
             from llambda.runtime.pool import WorkerPool
             self.pool = WorkerPool(self.threads)
+            self.thread_choice = ThreadChoice(self.threads, usage=self.pool.cpu_usage)
 
     def close(self):
         if self.pool is not None:
@@ -158,7 +160,7 @@ class TransformerModel:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            self.pool.run(self._plan(mb, hb).plan)
+            self.thread_choice.run(self.pool, (mb, hb), lambda threads: self._plan(mb, hb, threads).plan)
         else:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)
@@ -202,17 +204,19 @@ class TransformerModel:
             np.multiply(np.tanh(logits / np.float32(cap)), np.float32(cap), out=logits)
         return logits
 
-    def _plan(self, m, h):
-        """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then
-        reused; read from the disk cache when an earlier process kept it)."""
-        key = (m, h)
+    def _plan(self, m, h, threads=None):
+        """The recorded plan of a step of ``m`` rows and ``h`` head rows for ``threads`` of the
+        pool's workers (default: all; built once, then reused; read from the disk cache when an
+        earlier process kept it)."""
+        threads = threads or self.threads
+        key = (m, h) if threads == self.threads else (m, h, threads)
         if key not in self._plans:
-            self._plans[key] = self._kept_plan(m, h) or self._record_plan(m, h)
+            self._plans[key] = self._kept_plan(m, h, threads) or self._record_plan(m, h, threads)
         return self._plans[key]
 
-    def _record_plan(self, m, h):
+    def _record_plan(self, m, h, threads):
         from llambda.runtime.recorder import PlanRecorder
-        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
+        rec = PlanRecorder(threads, self.kv.max_blocks * KV_BLOCK, self.backend)
         lin = self.linear.on(rec)
         self._blocks(rec, lin, m)
         self._head(rec, lin, h)
@@ -221,20 +225,20 @@ class TransformerModel:
             # kept on disk by another thread (the write ends with an fsync) while the step that
             # wants the plan runs; the records are not written to again
             from llambda.runtime import plan_cache
-            storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
+            storing = plan_cache.store_async(self._plan_key(m, h, threads), rec.plan, rec.ops, self._plan_buffers(),
                                              rec.scratch_buffers())
             self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 
-    def _kept_plan(self, m, h):
-        """The plan of (m, h) from the disk cache, or None."""
+    def _kept_plan(self, m, h, threads):
+        """The plan of (m, h, threads) from the disk cache, or None."""
         if self.source is None:
             return None
         from llambda.runtime import plan_cache
-        kept = plan_cache.load(self._plan_key(m, h), self._plan_buffers())
+        kept = plan_cache.load(self._plan_key(m, h, threads), self._plan_buffers())
         return None if kept is None else KeptPlan(*kept)
 
-    def _plan_key(self, m, h):
+    def _plan_key(self, m, h, threads=None):
         """Everything a recorded plan depends on besides the code, library and CPU (which
         plan_cache adds): the model file, the model and its buffers' shapes, the step shape."""
         from llambda.runtime import plan_cache
@@ -246,7 +250,7 @@ class TransformerModel:
                                     self.kv.n_blocks, self.kv.kv_type, self.threads, bool(self._embed_in_plan),
                                     type(self.backend).__name__]
             self._plan_key_base = plan_cache.key_text(self._plan_key_parts)
-        return f"{self._plan_key_base} {m} {h}"
+        return f"{self._plan_key_base} {m} {h}" + ("" if threads in (None, self.threads) else f" threads={threads}")
 
     def _plan_buffers(self):
         """Every buffer a plan may point into, named, in a fixed order (plan_cache's regions)."""
@@ -385,26 +389,31 @@ class KeptPlan:
 
 
 class _Profiling:
-    """Puts a PlanTimer in place of the model's pool while the context is open."""
+    """Puts a PlanTimer in place of the model's pool while the context is open, and runs every
+    step on all the pool's threads (a profile describes one plan per shape)."""
 
     def __init__(self, net):
         from llambda.profile import PlanTimer
         self.net = net
         self.timer = PlanTimer(net.pool, self.describe)
+        self.choice = net.thread_choice
 
     def describe(self, plan):
         """(rows, with LM head, OpInfo per op, first row's position) of a plan about to run."""
-        for (m, _), recorder in self.net._plans.items():
+        for key, recorder in self.net._plans.items():       # (m, h), or (m, h, threads)
+            m = key[0]
             if recorder.plan is plan:
                 return m, True, recorder.ops, int(self.net.positions[0])
         raise ValueError("plan: not one of this model's plans")
 
     def __enter__(self):
         self.net.pool = self.timer
+        self.net.thread_choice = ThreadChoice(self.net.threads, adaptive=False)
         return self.timer
 
     def __exit__(self, *exc):
         self.net.pool = self.timer.pool
+        self.net.thread_choice = self.choice
 
 
 class _LayerWeights:

@@ -16,6 +16,10 @@ until it is back. A sleeping worker joins a run only after its wake-up latency
 (paid once per plan; the README has the figures), and starts on whatever
 chunks are left.
 
+A plan built for fewer threads than the pool has runs on the first ``plan.n_threads``
+workers: the others are not woken (runtime/thread_choice.py picks, per step shape, the
+thread count whose plan runs fastest).
+
 ``pool.run(plan, stamps=plan.stamp_buffer())`` runs the executor's timed
 twin instead, which writes per-op time-stamp counter readings into
 ``stamps`` (layout in codegen/executor.py; ``read_tsc`` reads the same clock
@@ -36,6 +40,7 @@ import weakref
 import numpy as np
 
 from . import buffers
+from . import cpu_usage
 from . import validate as v
 
 THREADS_ENV = "LLAMBDA_THREADS"
@@ -107,7 +112,9 @@ class _Crew:
         self.start = threading.Condition(self.lock)     # workers wait here for a round
         self.done = threading.Condition(self.lock)      # settle() waits here for the others
         self.round = 0                  # rounds requested so far
+        self.assigned = [0] * n_threads     # last round each worker was asked to run
         self.finished = [0] * n_threads     # last round each worker finished (index 0: worker 0)
+        self.thread_ids = [None] * n_threads    # each worker's native thread id, once started
         self.job = None                 # (plan, plan.start_run(), stamps or None) of the current round
         self.aborting = False           # workers woken during a recovery skip the plan
         self.closing = False
@@ -117,15 +124,21 @@ class _Crew:
     def work(self, tid, cpu):
         """A worker thread's life: sleep until a round, run its share, report, repeat."""
         _pin(cpu)
+        self.thread_ids[tid] = threading.get_native_id()
         while True:
             with self.lock:
-                while self.finished[tid] == self.round and not self.closing:
+                while self.finished[tid] == self.assigned[tid] and not self.closing:
                     self.start.wait()
                 if self.closing:
                     return
-                round_, job, aborting = self.round, self.job, self.aborting
+                # A later round that did not wake this worker may have replaced the job it was
+                # woken for: it skips that one (its own round's plan is finished, since a later
+                # round began) and that one's plan has no record for it.
+                round_, job, aborting = self.assigned[tid], self.job, self.aborting
+                if job is not None and tid >= job[0].n_threads:
+                    job = None
             try:
-                if not aborting:
+                if not aborting and job is not None:
                     self.run_share(tid, *job)
             finally:
                 with self.lock:
@@ -134,7 +147,7 @@ class _Crew:
 
     def run_share(self, tid, plan, arrays, stamps=None):
         records, n_ops, chunks, state, run = arrays
-        args = (records.ctypes.data, n_ops, tid, self.n_threads, self.sync.ctypes.data, chunks.ctypes.data,
+        args = (records.ctypes.data, n_ops, tid, plan.n_threads, self.sync.ctypes.data, chunks.ctypes.data,
                 state.ctypes.data, run)
         if stamps is not None:
             self.run_plan_timed(*args, stamps.ctypes.data)
@@ -142,7 +155,8 @@ class _Crew:
             self.run_plan(*args)
 
     def run(self, plan, stamps=None):
-        """One round: wake the workers and run worker 0's share here (timed into ``stamps``).
+        """One round: wake the plan's workers (the first ``plan.n_threads``) and run worker 0's
+        share here (timed into ``stamps``).
 
         No wait for the others afterwards: a plan ends with a wait for all its
         work, so when worker 0 returns every op is finished (an empty plan has
@@ -156,7 +170,10 @@ class _Crew:
         with self.lock:
             self.job = job
             self.round += 1
-            self.start.notify_all()
+            for tid in range(plan.n_threads):
+                self.assigned[tid] = self.round
+            if plan.n_threads > 1:
+                self.start.notify_all()
         self.run_share(0, *job)
         self.finished[0] = self.round
         self.dirty = False
@@ -165,7 +182,7 @@ class _Crew:
 
     def wait_for_workers(self):
         with self.lock:
-            while min(self.finished) != self.round:
+            while self.finished != self.assigned:
                 self.done.wait()
 
     def settle(self):
@@ -173,13 +190,13 @@ class _Crew:
         if not self.dirty:
             return
         with self.lock:
-            if self.finished[0] != self.round:
+            if self.finished[0] != self.assigned[0]:
                 # Worker 0 may not have run its share, and the others would wait for
                 # it forever. (If it did, they are all past their last barrier and
                 # never look at the flag: raising it is harmless.)
                 self.aborting = True
                 self.sync[ABORT_WORD] = 1
-                self.finished[0] = self.round
+                self.finished[0] = self.assigned[0]
             self.start.notify_all()     # in case the interrupt cut the wake-up short
         self.wait_for_workers()
         self.sync[:] = 0
@@ -240,18 +257,25 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shut_down, self._crew, self._threads, self._caller_box)
 
     def run(self, plan, stamps=None):
-        """Run every op of ``plan`` once on all threads; returns when all have finished.
+        """Run every op of ``plan`` once on its ``n_threads`` workers (the pool's first ones);
+        returns when all have finished.
 
         ``stamps``: a ``plan.stamp_buffer()`` to run the timed executor, which
         fills it with time-stamp counter readings (see the module docstring)."""
         if self._closed:
             raise RuntimeError("WorkerPool.run: the pool is closed")
-        if plan.n_threads != self.n_threads:
+        if plan.n_threads > self.n_threads:
             raise ValueError(f"plan: built for {plan.n_threads} threads, the pool has {self.n_threads}")
         if stamps is not None:
             v.array("stamps", stamps, np.uint64, plan.stamp_shape, align=8, writable=True)
         self._pin_caller()
         self._crew.run(plan, stamps)
+
+    def cpu_usage(self, workers):
+        """runtime/cpu_usage.py's snapshot of how busy other work keeps those workers' CPUs."""
+        ids = list(self._crew.thread_ids)
+        ids[0] = self._caller_box[0][1] if self._caller_box[0] is not None else None
+        return cpu_usage.snapshot(self.cpus, ids, workers)
 
     def close(self):
         """Stop the workers and unpin the caller. Idempotent; also runs at exit."""

@@ -1,0 +1,201 @@
+"""How many of the pool's workers run each step shape: the count measured fastest, kept measured.
+
+More threads are not always faster. A decode step reads every weight once; on some
+machines one core nearly saturates the memory, and a second adds a wait at each of a
+step's hundreds of barriers for little more bandwidth. On a machine shared with other
+work, a worker whose core another process takes holds the others up whenever it is
+descheduled with a chunk in hand, for as long as the other process's time slice. A
+prefill step is the opposite: compute-bound, it gains from every core, even half of one.
+
+So the choice is measured, per step shape, between the pool's thread count and half of it
+(down to one), by the wall time of whole runs of the shape's plan for that count (each count
+has a plan of its own, recorded when first wanted: a plan cut for two threads, run by one,
+would pay for its finer chunks):
+
+- the shape runs on its current count, which keeps the times of its last RECENT runs;
+- after WARMUP_RUNS runs, and then every ``interval`` runs, SAMPLES runs in a row go to
+  the neighbouring count (half, or double back towards all);
+- if their mean beats the mean of the current count's recent runs by MARGIN, the
+  neighbour becomes the current count and the interval starts again from FIRST_INTERVAL;
+  if not, the interval doubles, up to MAX_INTERVAL, so a count that keeps losing is rarely
+  tried; an exploration whose first FIRST_LOOK runs are slower by more than HOPELESS stops
+  there (one core for a compute-bound prefill costs twice the time: that is seen at once).
+
+Means of many runs, not a moving average: on a busy machine a run's time is bimodal (a step
+that waited for a descheduled worker takes a time slice longer), and a short average would
+often compare a lucky streak against an unlucky one.
+
+Before trying more threads, the shape looks at the cores they would take: when other work
+kept them busy for most of the time since the shape last decided (``usage``: the pool's
+runtime/cpu_usage.py snapshots), the try is skipped (and looked at again ``interval`` runs later). On a machine shared
+with a process that never sleeps, decode then stays on the free core instead of paying for
+a try every few dozen tokens.
+
+A shape that runs only a few times (one prompt's prefill) is never explored: it runs on
+every thread, as before. What a step computes does not depend on how many threads run it
+(work is split by output columns, heads and rows, each summed in the same order whatever
+the split), so the choice changes speed, never output. ``LLAMBDA_ADAPTIVE_THREADS=0`` turns
+it off: every step on every thread.
+"""
+import os
+import time
+from dataclasses import dataclass, field
+
+from . import cpu_usage
+
+ENV = "LLAMBDA_ADAPTIVE_THREADS"
+WARMUP_RUNS = 6         # runs of a plan before its first exploration
+UNTIMED_RUNS = 2        # ... of which the first few are not counted (they fault pages in)
+RECENT = 32             # the current count's runs its mean is taken over
+SAMPLES = 8             # runs of an exploration counted (after one more: a new plan's first run)
+FIRST_INTERVAL = 32     # runs between explorations after a switch
+MAX_INTERVAL = 1024     # ... and at most this many after losing explorations
+MARGIN = 0.03           # the other count must be this much faster to take over
+FIRST_LOOK = 2          # runs after which a hopeless exploration stops
+HOPELESS = 0.25         # ... if their mean is this much slower than the current count's
+BUSY_ELSEWHERE = 0.5    # more threads are not tried while the cores they need were this busy
+
+
+def enabled():
+    """False when ``$LLAMBDA_ADAPTIVE_THREADS`` is 0 (or off/false/no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def counts(n_threads):
+    """The counts a plan may run on: n_threads, then halved down to 1."""
+    out, k = [], n_threads
+    while True:
+        out.append(k)
+        if k == 1:
+            return out
+        k //= 2
+
+
+@dataclass
+class ShapeTimes:
+    """One step shape's measurements: its current count and the times of its last runs on it,
+    and the exploration under way (count, run times so far), if any."""
+    current: int
+    recent: list = field(default_factory=list)     # the current count's last RECENT run times
+    runs: int = 0                       # runs on the current count
+    interval: int = FIRST_INTERVAL
+    next_explore: int = WARMUP_RUNS     # on the current count's run number
+    explore_down: bool = True           # which neighbour the next exploration tries
+    exploring: int = None
+    samples: list = field(default_factory=list)
+    skipped: bool = False               # the exploration's first run, not counted
+    switches: int = 0
+    usage: dict = None                  # usage(the workers more threads would add) at the last decision
+
+
+class ThreadChoice:
+    """Runs steps on a pool, each shape on the count of workers measured fastest for it.
+
+        choice = ThreadChoice(pool.n_threads)
+        choice.run(pool, key, plan_for)     # plan_for(k): the shape's plan for k threads
+    """
+
+    def __init__(self, n_threads, clock=time.perf_counter, adaptive=None, usage=None):
+        """``usage(workers)``: a runtime/cpu_usage.py snapshot of those workers' CPUs, or None."""
+        self.n_threads = n_threads
+        self.counts = counts(n_threads)
+        self.adaptive = (enabled() if adaptive is None else adaptive) and n_threads > 1
+        self.clock = clock
+        self.usage = usage or (lambda workers: None)
+        self._shapes = {}
+
+    def threads_for(self, key):
+        """The count the next run of shape ``key`` takes."""
+        times = self._times(key)
+        if times is None:
+            return self.n_threads
+        return times.exploring if times.exploring is not None else times.current
+
+    def run(self, pool, key, plan_for):
+        threads = self.threads_for(key)
+        plan = plan_for(threads)
+        start = self.clock()
+        pool.run(plan)
+        self.record(key, threads, self.clock() - start)
+
+    def record(self, key, threads, seconds):
+        """Account one run of shape ``key`` on ``threads`` workers that took ``seconds``."""
+        times = self._times(key)
+        if times is None:
+            return
+        if times.exploring is not None and threads == times.exploring:
+            if not times.skipped:
+                times.skipped = True
+                return
+            times.samples.append(seconds)
+            if len(times.samples) == SAMPLES or (len(times.samples) == FIRST_LOOK and
+                                                 _mean(times.samples) > (1 + HOPELESS) * _mean(times.recent)):
+                self._decide(times)
+            return
+        if threads != times.current:
+            return
+        times.runs += 1
+        if times.runs > UNTIMED_RUNS or times.switches:
+            times.recent = times.recent[1 - RECENT:] + [seconds]
+        if times.runs >= times.next_explore:
+            times.exploring = self._neighbour(times)
+            times.samples, times.skipped = [], False
+            if times.exploring > times.current and self._taken(times, times.current, times.exploring):
+                self._settle(times)             # not tried, and no backing off: looking is cheap
+
+    def current(self, key):
+        """The count shape ``key`` runs on when not exploring (all workers before its first run)."""
+        times = self._times(key, create=False)
+        return self.n_threads if times is None else times.current
+
+    def summary(self):
+        """``{count: how many step shapes run on it}``."""
+        out = {}
+        for times in self._shapes.values():
+            out[times.current] = out.get(times.current, 0) + 1
+        return out
+
+    # -- the policy ---------------------------------------------------------------
+    def _times(self, key, create=True):
+        if not self.adaptive:
+            return None
+        times = self._shapes.get(key)
+        if times is None and create:
+            times = self._shapes[key] = ShapeTimes(current=self.n_threads)
+        return times
+
+    def _neighbour(self, times):
+        i = self.counts.index(times.current)
+        down = i + 1 < len(self.counts)
+        up = i > 0
+        if down and up:
+            down = times.explore_down
+            times.explore_down = not times.explore_down
+        return self.counts[i + 1] if down else self.counts[i - 1]
+
+    def _taken(self, times, have, want):
+        """Whether other work kept the CPUs of workers have..want-1 busy for at least
+        BUSY_ELSEWHERE of the time since the shape last decided."""
+        share = cpu_usage.others_share(times.usage, self.usage(range(have, want)))
+        return share is not None and share >= BUSY_ELSEWHERE
+
+    def _decide(self, times):
+        if len(times.samples) == SAMPLES and _mean(times.samples) < (1 - MARGIN) * _mean(times.recent):
+            times.current, times.recent = times.exploring, times.samples
+            times.interval = FIRST_INTERVAL
+            times.switches += 1
+        else:
+            times.interval = min(2 * times.interval, MAX_INTERVAL)
+        self._settle(times)
+
+    def _settle(self, times):
+        """Back to the current count for ``interval`` runs, with a new snapshot of the cores."""
+        times.runs, times.next_explore = 0, times.interval
+        times.exploring, times.samples = None, []
+        i = self.counts.index(times.current)
+        times.usage = self.usage(range(times.current, self.counts[i - 1])) if i > 0 else None
+
+
+def _mean(values):
+    return sum(values) / len(values)
+

@@ -1,0 +1,251 @@
+"""Plans for fewer threads than the pool has, run on its first workers, and the choice of that
+count per step shape from measured run times (runtime/thread_choice.py)."""
+import numpy as np
+import pytest
+
+from llambda.runtime import buffers, thread_choice
+from llambda.runtime.plan import Plan, chunk_ranges
+from llambda.runtime.pool import WorkerPool
+from llambda.runtime.thread_choice import (FIRST_INTERVAL, FIRST_LOOK, MAX_INTERVAL, SAMPLES, WARMUP_RUNS,
+                                           ThreadChoice, counts)
+
+from test_pool import within_timeout
+
+
+# -- the pool: a plan of fewer threads runs on the first workers only -------------------
+def counting_plan(n_threads, n=4096, ops=3, z=None):
+    """ops x z += y over 16-element chunks: a chunk run twice or never shows in z."""
+    y = buffers.full(n, 1.0)
+    z = buffers.zeros(n) if z is None else z
+    plan = Plan(n_threads)
+    for _ in range(ops):
+        plan.add("llb_add_f32__avx2", chunks=[[z[a:], y[a:], z[a:], b - a] for a, b in chunk_ranges(n, 16, 16)])
+    return plan, z
+
+
+@pytest.mark.parametrize("n_threads", [2, 3, 4])
+def test_plans_of_any_thread_count_run_on_one_pool(n_threads):
+    z = buffers.zeros(4096)
+    plans = [counting_plan(k, z=z)[0] for k in range(1, n_threads + 1)]
+    with WorkerPool(n_threads) as pool:
+        for run in range(1, 61):
+            within_timeout(lambda: pool.run(plans[run % n_threads]))     # interleaved
+            np.testing.assert_array_equal(z, np.float32(3 * run))
+    assert sum(p.runs for p in plans) == 60
+
+
+def test_a_plan_for_one_thread_does_not_wake_the_others():
+    one, z = counting_plan(1)
+    two, _ = counting_plan(2, z=z)
+    with WorkerPool(2) as pool:
+        within_timeout(lambda: pool.run(two))
+        pool._crew.wait_for_workers()
+        woken = pool._crew.finished[1]
+        for _ in range(20):
+            within_timeout(lambda: pool.run(one))
+        assert pool._crew.finished[1] == woken == pool._crew.assigned[1]
+        within_timeout(lambda: pool.run(two))        # and it still joins a plan of two
+        pool._crew.wait_for_workers()
+        assert pool._crew.finished[1] == pool._crew.round
+    np.testing.assert_array_equal(z, np.float32(3 * 22))
+
+
+def test_static_ops_of_a_smaller_plan_run_on_its_workers():
+    """A static op has one record per thread of its plan: a 2-thread plan's on a 3-worker
+    pool, interleaved with 3-thread runs that leave worker 2 a round behind or not."""
+    n = 64
+    a = buffers.full(n, 1.0)
+    z = buffers.zeros(n)
+    small = Plan(2)
+    small.add("llb_add_f32__avx2", per_thread=[[z, a, z, 32], [z[32:], a[32:], z[32:], 32]])
+    full, _ = counting_plan(3, n=n, ops=1, z=z)
+    with WorkerPool(3) as pool:
+        for run in range(1, 41):
+            within_timeout(lambda: pool.run(small if run % 3 else full))
+            np.testing.assert_array_equal(z, np.float32(run))
+
+
+def test_a_plan_for_more_threads_than_the_pool_is_refused():
+    plan, _ = counting_plan(3)
+    with WorkerPool(2) as pool:
+        with pytest.raises(ValueError, match="built for 3 threads, the pool has 2"):
+            pool.run(plan)
+
+
+# -- the choice ----------------------------------------------------------------------
+class FakePool:
+    """Runs nothing; the clock advances by what ``cost(threads, run)`` says the run took.
+    A "plan" is its thread count."""
+
+    def __init__(self, cost):
+        self.cost, self.now, self.runs, self.log = cost, 0.0, 0, []
+
+    def run(self, threads):
+        self.runs += 1
+        self.log.append(threads)
+        self.now += self.cost(threads, self.runs)
+
+    def clock(self):
+        return self.now
+
+
+def drive(cost, runs, n_threads=2, key="decode", choice=None, pool=None):
+    pool = pool or FakePool(cost)
+    choice = choice or ThreadChoice(n_threads, clock=pool.clock, adaptive=True)
+    for _ in range(runs):
+        choice.run(pool, key, lambda k: k)
+    return choice, key, pool
+
+
+def explorations(log, to):
+    """Where runs on ``to`` threads start after runs on others."""
+    return [i for i in range(1, len(log)) if log[i] == to and log[i - 1] != to]
+
+
+def test_counts_halve_down_to_one():
+    assert counts(1) == [1]
+    assert counts(2) == [2, 1]
+    assert counts(6) == [6, 3, 1]
+    assert counts(8) == [8, 4, 2, 1]
+
+
+def test_a_shape_faster_on_fewer_threads_moves_there_and_stays():
+    choice, key, pool = drive(lambda k, run: {2: 5e-3, 1: 4e-3}[k], 500)
+    assert choice.current(key) == 1
+    explore = 1 + SAMPLES                 # the first run of an exploration is not counted
+    assert pool.log[:WARMUP_RUNS + explore] == [2] * WARMUP_RUNS + [1] * explore
+    # then explorations back to two after 32, 64 and 128 more runs (the next would be after 256)
+    assert explorations(pool.log, 2) == [WARMUP_RUNS + explore + n for n in (32, 32 + explore + 64,
+                                                                             32 + 64 + 2 * explore + 128)]
+    assert pool.log.count(2) == WARMUP_RUNS + 3 * explore
+
+
+def test_a_shape_faster_on_all_threads_stays_there_and_explores_ever_more_rarely():
+    choice, key, pool = drive(lambda k, run: {2: 3e-3, 1: 6e-3}[k], 4000)
+    assert choice.current(key) == 2
+    starts = explorations(pool.log, 1)
+    gaps = np.diff(starts)
+    assert starts[0] == WARMUP_RUNS and gaps[0] > FIRST_INTERVAL
+    assert all(np.diff(gaps[:4]) > 0) and max(gaps) <= MAX_INTERVAL + 1 + SAMPLES   # doubling, capped
+    # a hopeless exploration stops after FIRST_LOOK counted runs: one core for a compute-bound plan
+    assert pool.log.count(1) == (1 + FIRST_LOOK) * len(starts)
+
+
+def test_a_change_of_conditions_is_followed_both_ways():
+    # fast on two threads, then (another process takes a core) fast on one, then fast on two again
+    def cost(k, run):
+        busy = 300 < run <= 2000
+        return {(2, False): 3e-3, (1, False): 4e-3, (2, True): 6e-3, (1, True): 4e-3}[k, busy]
+    choice, key, pool = drive(cost, 300)
+    assert choice.current(key) == 2
+    drive(cost, 1700, choice=choice, pool=pool)
+    assert choice.current(key) == 1
+    assert pool.log[-200:].count(1) > 190
+    drive(cost, MAX_INTERVAL + 3 * SAMPLES, choice=choice, pool=pool)
+    assert choice.current(key) == 2
+
+
+def test_noise_within_the_margin_does_not_flip_the_choice():
+    rng = np.random.default_rng(0)
+    choice, key, pool = drive(lambda k, run: 5e-3 * (1 + 0.01 * rng.standard_normal()) * (1.01 if k == 1 else 1),
+                              3000)
+    assert choice.current(key) == 2
+    assert choice._shapes[key].switches == 0
+
+
+def test_a_busy_core_s_bimodal_times_are_judged_by_their_mean():
+    """Two threads: 60% of runs quick, 40% a time slice longer (a worker descheduled with a
+    chunk in hand); one thread: steady and faster on average. Medians would pick two."""
+    rng = np.random.default_rng(2)
+    cost = lambda k, run: 4.5e-3 if k == 1 else (4.2e-3 if rng.random() < 0.6 else 7.8e-3)   # noqa: E731
+    choice, key, pool = drive(cost, 400)
+    assert choice.current(key) == 1
+    assert pool.log[100:].count(1) > 0.85 * len(pool.log[100:])
+
+
+def test_each_shape_has_its_own_choice():
+    pool = FakePool(None)
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True)
+    costs = {"decode": {2: 5e-3, 1: 4e-3}, "prefill": {2: 50e-3, 1: 95e-3}}
+    for _ in range(300):
+        for key in costs:
+            pool.cost = lambda k, run, key=key: costs[key][k]
+            choice.run(pool, key, lambda k: k)
+    assert (choice.current("decode"), choice.current("prefill")) == (1, 2)
+    assert choice.summary() == {1: 1, 2: 1}
+
+
+def test_nothing_is_explored_when_off_or_on_one_thread(monkeypatch):
+    monkeypatch.setenv(thread_choice.ENV, "0")
+    assert not ThreadChoice(2).adaptive
+    monkeypatch.setenv(thread_choice.ENV, "1")
+    assert ThreadChoice(2).adaptive and not ThreadChoice(1).adaptive
+    fast_on_one = lambda k, run: {2: 5e-3, 1: 1e-3}[k]      # noqa: E731
+    choice, key, pool = drive(fast_on_one, 200, n_threads=1)
+    assert set(pool.log) == {1}
+    pool = FakePool(fast_on_one)
+    drive(fast_on_one, 200, choice=ThreadChoice(2, clock=pool.clock, adaptive=False), pool=pool)
+    assert set(pool.log) == {2}
+
+
+def test_a_model_gives_the_same_logits_whatever_the_choice(tmp_path, monkeypatch):
+    """Decode steps on a 2-thread pool, forced onto one worker or two per run in a random
+    pattern: the same logits as always on two (batch invariance covers the thread count)."""
+    import llambda
+    from llambda.synth import write_random_llama
+    path = tmp_path / "tiny.gguf"
+    write_random_llama(path, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=300,
+                       tensor_type="Q4_1", n_ctx=256, seed=3)
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+
+    def logits(pattern):
+        forced = iter(pattern)
+        monkeypatch.setattr(ThreadChoice, "threads_for", lambda self, key: next(forced, 2))
+        with llambda.load(path, n_ctx=256, threads=2, progress=False) as m:
+            return np.stack([m.evaluate(ids[:n]).copy() for n in range(1, len(ids) + 1)])
+
+    want = logits([2] * 100)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        np.testing.assert_array_equal(logits(rng.integers(1, 3, 100).tolist()), want)
+
+
+def test_more_threads_are_not_tried_while_their_cores_are_busy_elsewhere():
+    """Settled on one thread; the core a second would take is busy with other work (90% of
+    its ticks), then free: no try of two while busy, and back to two once it is free."""
+    pool = FakePool(lambda k, run: {2: 3e-3, 1: 4e-3}[k] if run > 1000 else {2: 6e-3, 1: 4e-3}[k])
+    ticks = {"busy": 0, "total": 0, "share": 0.9}
+
+    def usage(workers):
+        assert list(workers) == [1]
+        return {1: (ticks["busy"], ticks["total"])}
+
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True, usage=usage)
+    for run in range(2000):
+        if run == 1000:
+            ticks["share"] = 0.1
+        ticks["total"] += 10
+        ticks["busy"] += 10 * ticks["share"]
+        choice.run(pool, "decode", lambda k: k)
+        if run == 999:
+            assert choice.current("decode") == 1
+            assert pool.log[100:].count(2) == 0           # never tried again while busy
+    assert choice.current("decode") == 2
+
+
+def test_cpu_usage_snapshots_read_this_machine():
+    from llambda.runtime import cpu_usage
+    ticks = cpu_usage.cpu_ticks()
+    assert ticks and all(0 <= busy <= total for busy, total in ticks.values())
+    with WorkerPool(2) as pool:
+        plan, _ = counting_plan(2)
+        within_timeout(lambda: pool.run(plan))
+        pool._crew.wait_for_workers()
+        before = pool.cpu_usage([1])
+        assert before is not None and set(before) == {1}
+        after = pool.cpu_usage([1])
+        share = cpu_usage.others_share(before, after)
+        assert share is None or 0 <= share <= 1
+    assert cpu_usage.snapshot([None, 1], [None, 5], [1]) is None          # no such thread
+    assert cpu_usage.others_share(None, {1: (0, 1)}) is None
+    assert cpu_usage.thread_ticks(0) is None

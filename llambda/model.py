@@ -160,7 +160,7 @@ class TransformerModel:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            self.thread_choice.run(self.pool, (mb, hb), lambda threads: self._plan(mb, hb, threads).plan)
+            self.thread_choice.run(self.pool, self._plan(mb, hb).plan)
         else:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)
@@ -204,19 +204,17 @@ class TransformerModel:
             np.multiply(np.tanh(logits / np.float32(cap)), np.float32(cap), out=logits)
         return logits
 
-    def _plan(self, m, h, threads=None):
-        """The recorded plan of a step of ``m`` rows and ``h`` head rows for ``threads`` of the
-        pool's workers (default: all; built once, then reused; read from the disk cache when an
-        earlier process kept it)."""
-        threads = threads or self.threads
-        key = (m, h) if threads == self.threads else (m, h, threads)
+    def _plan(self, m, h):
+        """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then
+        reused; read from the disk cache when an earlier process kept it)."""
+        key = (m, h)
         if key not in self._plans:
-            self._plans[key] = self._kept_plan(m, h, threads) or self._record_plan(m, h, threads)
+            self._plans[key] = self._kept_plan(m, h) or self._record_plan(m, h)
         return self._plans[key]
 
-    def _record_plan(self, m, h, threads):
+    def _record_plan(self, m, h):
         from llambda.runtime.recorder import PlanRecorder
-        rec = PlanRecorder(threads, self.kv.max_blocks * KV_BLOCK, self.backend)
+        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
         lin = self.linear.on(rec)
         self._blocks(rec, lin, m)
         self._head(rec, lin, h)
@@ -225,20 +223,20 @@ class TransformerModel:
             # kept on disk by another thread (the write ends with an fsync) while the step that
             # wants the plan runs; the records are not written to again
             from llambda.runtime import plan_cache
-            storing = plan_cache.store_async(self._plan_key(m, h, threads), rec.plan, rec.ops, self._plan_buffers(),
+            storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
                                              rec.scratch_buffers())
             self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 
-    def _kept_plan(self, m, h, threads):
-        """The plan of (m, h, threads) from the disk cache, or None."""
+    def _kept_plan(self, m, h):
+        """The plan of (m, h) from the disk cache, or None."""
         if self.source is None:
             return None
         from llambda.runtime import plan_cache
-        kept = plan_cache.load(self._plan_key(m, h, threads), self._plan_buffers())
+        kept = plan_cache.load(self._plan_key(m, h), self._plan_buffers())
         return None if kept is None else KeptPlan(*kept)
 
-    def _plan_key(self, m, h, threads=None):
+    def _plan_key(self, m, h):
         """Everything a recorded plan depends on besides the code, library and CPU (which
         plan_cache adds): the model file, the model and its buffers' shapes, the step shape."""
         from llambda.runtime import plan_cache
@@ -250,7 +248,7 @@ class TransformerModel:
                                     self.kv.n_blocks, self.kv.kv_type, self.threads, bool(self._embed_in_plan),
                                     type(self.backend).__name__]
             self._plan_key_base = plan_cache.key_text(self._plan_key_parts)
-        return f"{self._plan_key_base} {m} {h}" + ("" if threads in (None, self.threads) else f" threads={threads}")
+        return f"{self._plan_key_base} {m} {h}"
 
     def _plan_buffers(self):
         """Every buffer a plan may point into, named, in a fixed order (plan_cache's regions)."""
@@ -390,7 +388,7 @@ class KeptPlan:
 
 class _Profiling:
     """Puts a PlanTimer in place of the model's pool while the context is open, and runs every
-    step on all the pool's threads (a profile describes one plan per shape)."""
+    step on all the pool's threads (the profile's rows are per thread)."""
 
     def __init__(self, net):
         from llambda.profile import PlanTimer
@@ -400,8 +398,7 @@ class _Profiling:
 
     def describe(self, plan):
         """(rows, with LM head, OpInfo per op, first row's position) of a plan about to run."""
-        for key, recorder in self.net._plans.items():       # (m, h), or (m, h, threads)
-            m = key[0]
+        for (m, _), recorder in self.net._plans.items():
             if recorder.plan is plan:
                 return m, True, recorder.ops, int(self.net.positions[0])
         raise ValueError("plan: not one of this model's plans")

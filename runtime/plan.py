@@ -144,6 +144,7 @@ class Plan:
         self._kept_alive = {}         # (op, thread or ("chunk", c), index) -> array whose address is in a record
         self._slots_cache = {}        # (handles, index) -> where set_int_arg_of_ops writes
         self._symbols = []            # per op: its kernel's library symbol, None for a ctypes function
+        self._all_dynamic = (0, True)  # (n_ops when last counted, every op dynamic)
 
     @property
     def n_ops(self):
@@ -179,6 +180,14 @@ class Plan:
     @property
     def runs(self):
         return self._runs
+
+    @property
+    def all_dynamic(self):
+        """True when every op is a dynamic one: then any number of threads from one up to
+        ``n_threads`` can run the plan (each claims chunks until none is left)."""
+        if self._all_dynamic[0] != self._n_ops:         # ops are only ever appended
+            self._all_dynamic = (self._n_ops, bool(np.all(self._records["chunks"][:self._n_ops, 0] > 0)))
+        return self._all_dynamic[1]
 
     def start_run(self):
         """What the pool hands the executor for the next run: the arrays (kept alive by

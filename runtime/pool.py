@@ -16,9 +16,11 @@ until it is back. A sleeping worker joins a run only after its wake-up latency
 (paid once per plan; the README has the figures), and starts on whatever
 chunks are left.
 
-A plan built for fewer threads than the pool has runs on the first ``plan.n_threads``
-workers: the others are not woken (runtime/thread_choice.py picks, per step shape, the
-thread count whose plan runs fastest).
+A run takes the pool's first workers only, the others not woken: ``plan.n_threads``
+of them (a plan may be built for fewer threads than the pool has), or fewer still with
+``pool.run(plan, threads=k)`` when every op of the plan is a dynamic one (the k workers
+claim all its chunks between them; what a chunk computes does not depend on who runs
+it). runtime/thread_choice.py picks k per plan from measured run times.
 
 ``pool.run(plan, stamps=plan.stamp_buffer())`` runs the executor's timed
 twin instead, which writes per-op time-stamp counter readings into
@@ -132,14 +134,14 @@ class _Crew:
                 if self.closing:
                     return
                 # A later round that did not wake this worker may have replaced the job it was
-                # woken for: it skips that one (its own round's plan is finished, since a later
-                # round began) and that one's plan has no record for it.
+                # woken for: then it skips that one (its own round's plan is finished, since a
+                # later round began, and that one is not its to run).
                 round_, job, aborting = self.assigned[tid], self.job, self.aborting
-                if job is not None and tid >= job[0].n_threads:
+                if job is not None and tid >= job[3]:
                     job = None
             try:
                 if not aborting and job is not None:
-                    self.run_share(tid, *job)
+                    self.run_share(tid, *job[:3])
             finally:
                 with self.lock:
                     self.finished[tid] = round_
@@ -154,9 +156,9 @@ class _Crew:
         else:
             self.run_plan(*args)
 
-    def run(self, plan, stamps=None):
-        """One round: wake the plan's workers (the first ``plan.n_threads``) and run worker 0's
-        share here (timed into ``stamps``).
+    def run(self, plan, stamps=None, workers=None):
+        """One round: wake the round's workers (the first ``workers``, default the plan's
+        n_threads) and run worker 0's share here (timed into ``stamps``).
 
         No wait for the others afterwards: a plan ends with a wait for all its
         work, so when worker 0 returns every op is finished (an empty plan has
@@ -166,15 +168,16 @@ class _Crew:
         self.settle()
         self.dirty = True
         self.started = plan             # counted a run from here on: settle() resets it if cut short
-        job = (plan, plan.start_run(), stamps)
+        workers = workers or plan.n_threads
+        job = (plan, plan.start_run(), stamps, workers)
         with self.lock:
             self.job = job
             self.round += 1
-            for tid in range(plan.n_threads):
+            for tid in range(workers):
                 self.assigned[tid] = self.round
-            if plan.n_threads > 1:
+            if workers > 1:
                 self.start.notify_all()
-        self.run_share(0, *job)
+        self.run_share(0, *job[:3])
         self.finished[0] = self.round
         self.dirty = False
         if stamps is not None:
@@ -256,20 +259,32 @@ class WorkerPool:
         self._closed = False
         self._finalizer = weakref.finalize(self, _shut_down, self._crew, self._threads, self._caller_box)
 
-    def run(self, plan, stamps=None):
-        """Run every op of ``plan`` once on its ``n_threads`` workers (the pool's first ones);
-        returns when all have finished.
+    def run(self, plan, stamps=None, threads=None):
+        """Run every op of ``plan`` once on the pool's first workers, ``plan.n_threads`` of
+        them or ``threads``; returns when all have finished.
 
+        ``threads``: fewer workers than the plan was built for, which needs a plan of dynamic
+        ops only (``plan.all_dynamic``); a timed run takes all of them.
         ``stamps``: a ``plan.stamp_buffer()`` to run the timed executor, which
         fills it with time-stamp counter readings (see the module docstring)."""
         if self._closed:
             raise RuntimeError("WorkerPool.run: the pool is closed")
         if plan.n_threads > self.n_threads:
             raise ValueError(f"plan: built for {plan.n_threads} threads, the pool has {self.n_threads}")
+        if threads is not None and threads != plan.n_threads:
+            threads = v.positive_int("threads", threads)
+            if threads > plan.n_threads:
+                raise ValueError(f"threads: expected 1..{plan.n_threads} (the plan's threads), got {threads}")
+            if stamps is not None:
+                raise ValueError(f"threads: a timed run takes all {plan.n_threads} of the plan's threads, "
+                                 f"got threads={threads}")
+            if not plan.all_dynamic:
+                raise ValueError(f"threads: a plan with static ops needs all {plan.n_threads} of its threads, "
+                                 f"got threads={threads}")
         if stamps is not None:
             v.array("stamps", stamps, np.uint64, plan.stamp_shape, align=8, writable=True)
         self._pin_caller()
-        self._crew.run(plan, stamps)
+        self._crew.run(plan, stamps, threads)
 
     def cpu_usage(self, workers):
         """runtime/cpu_usage.py's snapshot of how busy other work keeps those workers' CPUs."""

@@ -1,4 +1,4 @@
-"""How many of the pool's workers run each step shape: the count measured fastest, kept measured.
+"""How many of the pool's workers run each plan: the count measured fastest, kept measured.
 
 More threads are not always faster. A decode step reads every weight once; on some
 machines one core nearly saturates the memory, and a second adds a wait at each of a
@@ -7,12 +7,13 @@ work, a worker whose core another process takes holds the others up whenever it 
 descheduled with a chunk in hand, for as long as the other process's time slice. A
 prefill step is the opposite: compute-bound, it gains from every core, even half of one.
 
-So the choice is measured, per step shape, between the pool's thread count and half of it
-(down to one), by the wall time of whole runs of the shape's plan for that count (each count
-has a plan of its own, recorded when first wanted: a plan cut for two threads, run by one,
-would pay for its finer chunks):
+So the choice is measured, per plan (one per step shape), between the pool's thread count
+and half of it (down to one), by the wall time of whole runs. Fewer workers run the same
+plan (runtime/pool.py: they claim all its chunks between them), whose finer chunks cost a
+percent or two against a plan cut for fewer threads, and nothing has to be recorded when a
+count is first tried:
 
-- the shape runs on its current count, which keeps the times of its last RECENT runs;
+- the plan runs on its current count, which keeps the times of its last RECENT runs;
 - after WARMUP_RUNS runs, and then every ``interval`` runs, SAMPLES runs in a row go to
   the neighbouring count (half, or double back towards all);
 - if their mean beats the mean of the current count's recent runs by MARGIN, the
@@ -31,14 +32,14 @@ runtime/cpu_usage.py snapshots), the try is skipped (and looked at again ``inter
 with a process that never sleeps, decode then stays on the free core instead of paying for
 a try every few dozen tokens.
 
-A shape that runs only a few times (one prompt's prefill) is never explored: it runs on
-every thread, as before. What a step computes does not depend on how many threads run it
-(work is split by output columns, heads and rows, each summed in the same order whatever
-the split), so the choice changes speed, never output. ``LLAMBDA_ADAPTIVE_THREADS=0`` turns
-it off: every step on every thread.
+A plan that runs only a few times (one prompt's prefill) is never explored: it runs on
+every thread, as before. What a chunk computes does not depend on who runs it, so the
+choice changes speed, never output. ``LLAMBDA_ADAPTIVE_THREADS=0`` turns it off: every plan
+on every thread.
 """
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from . import cpu_usage
@@ -47,8 +48,8 @@ ENV = "LLAMBDA_ADAPTIVE_THREADS"
 WARMUP_RUNS = 6         # runs of a plan before its first exploration
 UNTIMED_RUNS = 2        # ... of which the first few are not counted (they fault pages in)
 RECENT = 32             # the current count's runs its mean is taken over
-SAMPLES = 8             # runs of an exploration counted (after one more: a new plan's first run)
-FIRST_INTERVAL = 32     # runs between explorations after a switch
+SAMPLES = 8             # runs of an exploration counted (after one more: the first, a transition)
+FIRST_INTERVAL = 16     # runs between explorations after a switch
 MAX_INTERVAL = 1024     # ... and at most this many after losing explorations
 MARGIN = 0.03           # the other count must be this much faster to take over
 FIRST_LOOK = 2          # runs after which a hopeless exploration stops
@@ -72,8 +73,8 @@ def counts(n_threads):
 
 
 @dataclass
-class ShapeTimes:
-    """One step shape's measurements: its current count and the times of its last runs on it,
+class PlanTimes:
+    """One plan's measurements: its current count and the times of its last runs on it,
     and the exploration under way (count, run times so far), if any."""
     current: int
     recent: list = field(default_factory=list)     # the current count's last RECENT run times
@@ -89,10 +90,10 @@ class ShapeTimes:
 
 
 class ThreadChoice:
-    """Runs steps on a pool, each shape on the count of workers measured fastest for it.
+    """Runs plans on a pool, each on the count of workers measured fastest for it.
 
-        choice = ThreadChoice(pool.n_threads)
-        choice.run(pool, key, plan_for)     # plan_for(k): the shape's plan for k threads
+        choice = ThreadChoice(pool.n_threads, usage=pool.cpu_usage)
+        choice.run(pool, plan)          # instead of pool.run(plan)
     """
 
     def __init__(self, n_threads, clock=time.perf_counter, adaptive=None, usage=None):
@@ -102,25 +103,27 @@ class ThreadChoice:
         self.adaptive = (enabled() if adaptive is None else adaptive) and n_threads > 1
         self.clock = clock
         self.usage = usage or (lambda workers: None)
-        self._shapes = {}
+        self._plans = weakref.WeakKeyDictionary()
 
-    def threads_for(self, key):
-        """The count the next run of shape ``key`` takes."""
-        times = self._times(key)
+    def threads_for(self, plan):
+        """The count the next run of ``plan`` takes."""
+        times = self._times(plan)
         if times is None:
             return self.n_threads
         return times.exploring if times.exploring is not None else times.current
 
-    def run(self, pool, key, plan_for):
-        threads = self.threads_for(key)
-        plan = plan_for(threads)
+    def run(self, pool, plan):
+        threads = self.threads_for(plan)
         start = self.clock()
-        pool.run(plan)
-        self.record(key, threads, self.clock() - start)
+        if threads == plan.n_threads:
+            pool.run(plan)                  # (a stand-in like llambda.profile's PlanTimer takes no count)
+        else:
+            pool.run(plan, threads=threads)
+        self.record(plan, threads, self.clock() - start)
 
-    def record(self, key, threads, seconds):
-        """Account one run of shape ``key`` on ``threads`` workers that took ``seconds``."""
-        times = self._times(key)
+    def record(self, plan, threads, seconds):
+        """Account one run of ``plan`` on ``threads`` workers that took ``seconds``."""
+        times = self._times(plan)
         if times is None:
             return
         if times.exploring is not None and threads == times.exploring:
@@ -143,25 +146,25 @@ class ThreadChoice:
             if times.exploring > times.current and self._taken(times, times.current, times.exploring):
                 self._settle(times)             # not tried, and no backing off: looking is cheap
 
-    def current(self, key):
-        """The count shape ``key`` runs on when not exploring (all workers before its first run)."""
-        times = self._times(key, create=False)
+    def current(self, plan):
+        """The count ``plan`` runs on when not exploring (all workers before its first run)."""
+        times = self._times(plan, create=False)
         return self.n_threads if times is None else times.current
 
     def summary(self):
-        """``{count: how many step shapes run on it}``."""
+        """``{count: how many plans run on it}``."""
         out = {}
-        for times in self._shapes.values():
+        for times in self._plans.values():
             out[times.current] = out.get(times.current, 0) + 1
         return out
 
     # -- the policy ---------------------------------------------------------------
-    def _times(self, key, create=True):
-        if not self.adaptive:
+    def _times(self, plan, create=True):
+        if not self.adaptive or plan.n_threads != self.n_threads or not plan.all_dynamic:
             return None
-        times = self._shapes.get(key)
+        times = self._plans.get(plan)
         if times is None and create:
-            times = self._shapes[key] = ShapeTimes(current=self.n_threads)
+            times = self._plans[plan] = PlanTimes(current=self.n_threads)
         return times
 
     def _neighbour(self, times):

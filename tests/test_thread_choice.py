@@ -1,5 +1,6 @@
-"""Plans for fewer threads than the pool has, run on its first workers, and the choice of that
-count per step shape from measured run times (runtime/thread_choice.py)."""
+"""Plans run on fewer workers than the pool has (a plan built for fewer threads, or
+pool.run(plan, threads=k)), and the choice of that count per plan from measured run times
+(runtime/thread_choice.py)."""
 import numpy as np
 import pytest
 
@@ -72,15 +73,55 @@ def test_a_plan_for_more_threads_than_the_pool_is_refused():
             pool.run(plan)
 
 
+@pytest.mark.parametrize("n_threads", [2, 3, 4])
+def test_a_dynamic_plan_runs_on_any_number_of_its_workers(n_threads):
+    plan, z = counting_plan(n_threads)
+    with WorkerPool(n_threads) as pool:
+        for run in range(1, 61):
+            threads = 1 + run % n_threads          # every count, interleaved with full runs
+            within_timeout(lambda: pool.run(plan, threads=threads))
+            np.testing.assert_array_equal(z, np.float32(3 * run))
+        one, _ = counting_plan(n_threads, z=z)
+        pool._crew.wait_for_workers()
+        woken = pool._crew.finished[1:]
+        for _ in range(10):
+            within_timeout(lambda: pool.run(one, threads=1))
+        assert pool._crew.finished[1:] == woken            # nobody else was woken
+    np.testing.assert_array_equal(z, np.float32(3 * 70))
+    np.testing.assert_array_equal(plan.done, 60 * (4096 // 16))
+
+
+def test_fewer_workers_are_refused_where_they_cannot_run_the_plan():
+    static = Plan(2)
+    a = buffers.zeros(32)
+    static.add("llb_add_f32__avx2", per_thread=[[a, a, a, 16], [a[16:], a[16:], a[16:], 16]])
+    dynamic, _ = counting_plan(2)
+    assert not static.all_dynamic and dynamic.all_dynamic
+    with WorkerPool(3) as pool:
+        with pytest.raises(ValueError, match="static ops needs all 2 of its threads"):
+            pool.run(static, threads=1)
+        for bad in (0, 3, -1, 1.5, True):
+            with pytest.raises(ValueError, match="threads"):
+                pool.run(dynamic, threads=bad)
+        with pytest.raises(ValueError, match="a timed run takes all 2"):
+            pool.run(dynamic, stamps=dynamic.stamp_buffer(), threads=1)
+        within_timeout(lambda: pool.run(static, threads=2))       # all of them: as before
+
+
 # -- the choice ----------------------------------------------------------------------
+class FakePlan:
+    def __init__(self, n_threads=2, all_dynamic=True):
+        self.n_threads, self.all_dynamic = n_threads, all_dynamic
+
+
 class FakePool:
-    """Runs nothing; the clock advances by what ``cost(threads, run)`` says the run took.
-    A "plan" is its thread count."""
+    """Runs nothing; the clock advances by what ``cost(threads, run)`` says the run took."""
 
     def __init__(self, cost):
         self.cost, self.now, self.runs, self.log = cost, 0.0, 0, []
 
-    def run(self, threads):
+    def run(self, plan, threads=None):
+        threads = threads or plan.n_threads
         self.runs += 1
         self.log.append(threads)
         self.now += self.cost(threads, self.runs)
@@ -89,12 +130,13 @@ class FakePool:
         return self.now
 
 
-def drive(cost, runs, n_threads=2, key="decode", choice=None, pool=None):
+def drive(cost, runs, n_threads=2, plan=None, choice=None, pool=None):
     pool = pool or FakePool(cost)
     choice = choice or ThreadChoice(n_threads, clock=pool.clock, adaptive=True)
+    plan = plan or FakePlan(n_threads)
     for _ in range(runs):
-        choice.run(pool, key, lambda k: k)
-    return choice, key, pool
+        choice.run(pool, plan)
+    return choice, plan, pool
 
 
 def explorations(log, to):
@@ -110,19 +152,25 @@ def test_counts_halve_down_to_one():
 
 
 def test_a_shape_faster_on_fewer_threads_moves_there_and_stays():
-    choice, key, pool = drive(lambda k, run: {2: 5e-3, 1: 4e-3}[k], 500)
-    assert choice.current(key) == 1
+    choice, plan, pool = drive(lambda k, run: {2: 4.8e-3, 1: 4e-3}[k], 500)
+    assert choice.current(plan) == 1
     explore = 1 + SAMPLES                 # the first run of an exploration is not counted
     assert pool.log[:WARMUP_RUNS + explore] == [2] * WARMUP_RUNS + [1] * explore
-    # then explorations back to two after 32, 64 and 128 more runs (the next would be after 256)
-    assert explorations(pool.log, 2) == [WARMUP_RUNS + explore + n for n in (32, 32 + explore + 64,
-                                                                             32 + 64 + 2 * explore + 128)]
-    assert pool.log.count(2) == WARMUP_RUNS + 3 * explore
+    # then explorations back to two after F, 2F, 4F, ... more runs (F = FIRST_INTERVAL)
+    at, want = WARMUP_RUNS + explore, []
+    for i in range(8):
+        at += FIRST_INTERVAL << i
+        if at >= 500:
+            break
+        want.append(at)
+        at += explore
+    assert explorations(pool.log, 2) == want
+    assert pool.log.count(2) == WARMUP_RUNS + len(want) * explore
 
 
 def test_a_shape_faster_on_all_threads_stays_there_and_explores_ever_more_rarely():
-    choice, key, pool = drive(lambda k, run: {2: 3e-3, 1: 6e-3}[k], 4000)
-    assert choice.current(key) == 2
+    choice, plan, pool = drive(lambda k, run: {2: 3e-3, 1: 6e-3}[k], 4000)
+    assert choice.current(plan) == 2
     starts = explorations(pool.log, 1)
     gaps = np.diff(starts)
     assert starts[0] == WARMUP_RUNS and gaps[0] > FIRST_INTERVAL
@@ -136,21 +184,21 @@ def test_a_change_of_conditions_is_followed_both_ways():
     def cost(k, run):
         busy = 300 < run <= 2000
         return {(2, False): 3e-3, (1, False): 4e-3, (2, True): 6e-3, (1, True): 4e-3}[k, busy]
-    choice, key, pool = drive(cost, 300)
-    assert choice.current(key) == 2
-    drive(cost, 1700, choice=choice, pool=pool)
-    assert choice.current(key) == 1
+    choice, plan, pool = drive(cost, 300)
+    assert choice.current(plan) == 2
+    drive(cost, 1700, plan=plan, choice=choice, pool=pool)
+    assert choice.current(plan) == 1
     assert pool.log[-200:].count(1) > 190
-    drive(cost, MAX_INTERVAL + 3 * SAMPLES, choice=choice, pool=pool)
-    assert choice.current(key) == 2
+    drive(cost, MAX_INTERVAL + 3 * SAMPLES, plan=plan, choice=choice, pool=pool)
+    assert choice.current(plan) == 2
 
 
 def test_noise_within_the_margin_does_not_flip_the_choice():
     rng = np.random.default_rng(0)
-    choice, key, pool = drive(lambda k, run: 5e-3 * (1 + 0.01 * rng.standard_normal()) * (1.01 if k == 1 else 1),
+    choice, plan, pool = drive(lambda k, run: 5e-3 * (1 + 0.01 * rng.standard_normal()) * (1.01 if k == 1 else 1),
                               3000)
-    assert choice.current(key) == 2
-    assert choice._shapes[key].switches == 0
+    assert choice.current(plan) == 2
+    assert choice._plans[plan].switches == 0
 
 
 def test_a_busy_core_s_bimodal_times_are_judged_by_their_mean():
@@ -158,31 +206,34 @@ def test_a_busy_core_s_bimodal_times_are_judged_by_their_mean():
     chunk in hand); one thread: steady and faster on average. Medians would pick two."""
     rng = np.random.default_rng(2)
     cost = lambda k, run: 4.5e-3 if k == 1 else (4.2e-3 if rng.random() < 0.6 else 7.8e-3)   # noqa: E731
-    choice, key, pool = drive(cost, 400)
-    assert choice.current(key) == 1
+    choice, plan, pool = drive(cost, 400)
+    assert choice.current(plan) == 1
     assert pool.log[100:].count(1) > 0.85 * len(pool.log[100:])
 
 
-def test_each_shape_has_its_own_choice():
+def test_each_plan_has_its_own_choice():
     pool = FakePool(None)
     choice = ThreadChoice(2, clock=pool.clock, adaptive=True)
-    costs = {"decode": {2: 5e-3, 1: 4e-3}, "prefill": {2: 50e-3, 1: 95e-3}}
+    decode, prefill = FakePlan(), FakePlan()
+    costs = {id(decode): {2: 5e-3, 1: 4e-3}, id(prefill): {2: 50e-3, 1: 95e-3}}
     for _ in range(300):
-        for key in costs:
-            pool.cost = lambda k, run, key=key: costs[key][k]
-            choice.run(pool, key, lambda k: k)
-    assert (choice.current("decode"), choice.current("prefill")) == (1, 2)
+        for plan in (decode, prefill):
+            pool.cost = lambda k, run, plan=plan: costs[id(plan)][k]
+            choice.run(pool, plan)
+    assert (choice.current(decode), choice.current(prefill)) == (1, 2)
     assert choice.summary() == {1: 1, 2: 1}
 
 
-def test_nothing_is_explored_when_off_or_on_one_thread(monkeypatch):
+def test_nothing_is_explored_when_off_on_one_thread_or_for_a_static_plan(monkeypatch):
     monkeypatch.setenv(thread_choice.ENV, "0")
     assert not ThreadChoice(2).adaptive
     monkeypatch.setenv(thread_choice.ENV, "1")
     assert ThreadChoice(2).adaptive and not ThreadChoice(1).adaptive
     fast_on_one = lambda k, run: {2: 5e-3, 1: 1e-3}[k]      # noqa: E731
-    choice, key, pool = drive(fast_on_one, 200, n_threads=1)
+    choice, plan, pool = drive(fast_on_one, 200, n_threads=1)
     assert set(pool.log) == {1}
+    choice, plan, pool = drive(fast_on_one, 200, plan=FakePlan(all_dynamic=False))
+    assert set(pool.log) == {2}
     pool = FakePool(fast_on_one)
     drive(fast_on_one, 200, choice=ThreadChoice(2, clock=pool.clock, adaptive=False), pool=pool)
     assert set(pool.log) == {2}
@@ -200,7 +251,7 @@ def test_a_model_gives_the_same_logits_whatever_the_choice(tmp_path, monkeypatch
 
     def logits(pattern):
         forced = iter(pattern)
-        monkeypatch.setattr(ThreadChoice, "threads_for", lambda self, key: next(forced, 2))
+        monkeypatch.setattr(ThreadChoice, "threads_for", lambda self, plan: next(forced, 2))
         with llambda.load(path, n_ctx=256, threads=2, progress=False) as m:
             return np.stack([m.evaluate(ids[:n]).copy() for n in range(1, len(ids) + 1)])
 
@@ -221,16 +272,17 @@ def test_more_threads_are_not_tried_while_their_cores_are_busy_elsewhere():
         return {1: (ticks["busy"], ticks["total"])}
 
     choice = ThreadChoice(2, clock=pool.clock, adaptive=True, usage=usage)
+    plan = FakePlan()
     for run in range(2000):
         if run == 1000:
             ticks["share"] = 0.1
         ticks["total"] += 10
         ticks["busy"] += 10 * ticks["share"]
-        choice.run(pool, "decode", lambda k: k)
+        choice.run(pool, plan)
         if run == 999:
-            assert choice.current("decode") == 1
+            assert choice.current(plan) == 1
             assert pool.log[100:].count(2) == 0           # never tried again while busy
-    assert choice.current("decode") == 2
+    assert choice.current(plan) == 2
 
 
 def test_cpu_usage_snapshots_read_this_machine():

@@ -26,11 +26,11 @@ Means of many runs, not a moving average: on a busy machine a run's time is bimo
 that waited for a descheduled worker takes a time slice longer), and a short average would
 often compare a lucky streak against an unlucky one.
 
-Before trying more threads, the shape looks at the cores they would take: when other work
-kept them busy for most of the time since the shape last decided (``usage``: the pool's
-runtime/cpu_usage.py snapshots), the try is skipped (and looked at again ``interval`` runs later). On a machine shared
-with a process that never sleeps, decode then stays on the free core instead of paying for
-a try every few dozen tokens.
+Before trying more threads, a plan looks at the cores they would take: when other work kept
+them busy for most of the time since the plan last decided (``usage``: the pool's
+runtime/cpu_usage.py snapshots), the try is skipped and looked at again ``interval`` runs
+later. On a machine shared with a process that never sleeps, decode then stays on the free
+core instead of paying for a try every few dozen tokens.
 
 A plan that runs only a few times (one prompt's prefill) is never explored: it runs on
 every thread, as before. What a chunk computes does not depend on who runs it, so the
@@ -140,7 +140,7 @@ class ThreadChoice:
         times.runs += 1
         if times.runs > UNTIMED_RUNS or times.switches:
             times.recent = times.recent[1 - RECENT:] + [seconds]
-        if times.runs >= times.next_explore:
+        if times.runs >= times.next_explore and times.recent:
             times.exploring = self._neighbour(times)
             times.samples, times.skipped = [], False
             if times.exploring > times.current and self._taken(times, times.current, times.exploring):
@@ -178,7 +178,7 @@ class ThreadChoice:
 
     def _taken(self, times, have, want):
         """Whether other work kept the CPUs of workers have..want-1 busy for at least
-        BUSY_ELSEWHERE of the time since the shape last decided."""
+        BUSY_ELSEWHERE of the time since the plan last decided."""
         share = cpu_usage.others_share(times.usage, self.usage(range(have, want)))
         return share is not None and share >= BUSY_ELSEWHERE
 

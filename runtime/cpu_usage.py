@@ -1,8 +1,8 @@
 """How much of the CPUs a pool's workers are pinned to other work takes (Linux /proc).
 
-    before = snapshot(cpus, thread_ids)     # per worker: (busy ticks of its CPU, total ticks)
+    before = snapshot(cpus, thread_ids, [1])    # worker 1: (others' busy ticks of its CPU, total)
     ...
-    share = others_share(before, snapshot(cpus, thread_ids), workers=[1])
+    share = others_share(before, snapshot(cpus, thread_ids, [1]))     # 0..1, or None
 
 A CPU's busy ticks (/proc/stat: everything but idle and iowait, steal included: a core the
 hypervisor gives another guest is not ours either) minus the ticks of the worker pinned to it

@@ -117,7 +117,7 @@ class _Crew:
         self.assigned = [0] * n_threads     # last round each worker was asked to run
         self.finished = [0] * n_threads     # last round each worker finished (index 0: worker 0)
         self.thread_ids = [None] * n_threads    # each worker's native thread id, once started
-        self.job = None                 # (plan, plan.start_run(), stamps or None) of the current round
+        self.job = None                 # (plan, plan.start_run(), stamps or None, workers) of the current round
         self.aborting = False           # workers woken during a recovery skip the plan
         self.closing = False
         self.dirty = False              # worker 0 may not have run its share of the last round

@@ -66,6 +66,7 @@ class Model:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
         threads = _check_threads(threads)         # bad options fail before any file is read
+        _check_adaptive_threads()
         parallel = _check_positive("parallel", parallel)
         max_waiting = _check_positive("max_waiting", max_waiting)
         if kv_cache_mb is not None and (isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, (int, float))
@@ -324,3 +325,12 @@ def _check_threads(threads):
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UserError(f"{source}: expected a positive integer, got {threads!r}")
     return limits.check_thread_count(threads, source)
+
+
+def _check_adaptive_threads():
+    """LLAMBDA_ADAPTIVE_THREADS, read when the pool starts: a bad value fails the load instead."""
+    from llambda.runtime import thread_choice
+    try:
+        thread_choice.enabled()
+    except ValueError as error:
+        raise UserError(str(error)) from None

@@ -57,9 +57,18 @@ HOPELESS = 0.25         # ... if their mean is this much slower than the current
 BUSY_ELSEWHERE = 0.5    # more threads are not tried while the cores they need were this busy
 
 
+ENV_VALUES = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
+
+
 def enabled():
-    """False when ``$LLAMBDA_ADAPTIVE_THREADS`` is 0 (or off/false/no)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    """``$LLAMBDA_ADAPTIVE_THREADS``: on unless 0/off/false/no (unset or empty: on); any other
+    value is a ValueError naming the variable."""
+    text = os.environ.get(ENV, "").strip().lower()
+    if not text:
+        return True
+    if text not in ENV_VALUES:
+        raise ValueError(f"{ENV}: expected 1 or 0 (on/off, true/false, yes/no), got {os.environ[ENV]!r}")
+    return ENV_VALUES[text]
 
 
 def counts(n_threads):

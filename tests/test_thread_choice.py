@@ -301,3 +301,17 @@ def test_cpu_usage_snapshots_read_this_machine():
     assert cpu_usage.snapshot([None, 1], [None, 5], [1]) is None          # no such thread
     assert cpu_usage.others_share(None, {1: (0, 1)}) is None
     assert cpu_usage.thread_ticks(0) is None
+
+
+def test_a_bad_adaptive_threads_value_is_one_error_naming_the_variable(monkeypatch):
+    import llambda
+    from llambda.errors import UserError
+    for text, want in (("", True), ("1", True), (" On ", True), ("yes", True), ("0", False), ("off", False),
+                       ("FALSE", False), ("no", False)):
+        monkeypatch.setenv(thread_choice.ENV, text)
+        assert thread_choice.enabled() is want
+    monkeypatch.setenv(thread_choice.ENV, "maybe")
+    with pytest.raises(ValueError, match="LLAMBDA_ADAPTIVE_THREADS: expected 1 or 0 .* got 'maybe'"):
+        ThreadChoice(2)
+    with pytest.raises(UserError, match="LLAMBDA_ADAPTIVE_THREADS: expected 1 or 0 .* got 'maybe'"):
+        llambda.load("no-such-model.gguf", progress=False)        # before any file is read

@@ -93,6 +93,7 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.backend = get_backend(backend)
+        _check_kinds_run_here(path, weights, self.backend)
         try:
             kv_type = check_kv_type(kv_type, self.config.head_dim)
         except ValueError as error:
@@ -325,6 +326,19 @@ def _check_threads(threads):
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UserError(f"{source}: expected a positive integer, got {threads!r}")
     return limits.check_thread_count(threads, source)
+
+
+def _check_kinds_run_here(path, weights, backend):
+    """A model file converted on a CPU with AVX512_BF16 (kind bf16_pairs) and carried to one
+    without: one line naming the file and the fix, before any step runs."""
+    if not backend.runs_plans:
+        return                                 # the numpy references multiply every kind
+    from llambda.runtime.native import gemm_bf16
+    pairs = [name for name, w in weights.items() if getattr(w, "kind", None) == "bf16_pairs"]
+    if pairs and not gemm_bf16.bf16_supported():
+        raise UserError(f"{path}: {pairs[0]} (and {len(pairs) - 1} more) hold BF16 weights packed for "
+                        f"vdpbf16ps (kind bf16_pairs), which this CPU lacks ({gemm_bf16.CPU_FLAG}); "
+                        f"convert the GGUF again on this machine, or with LLAMBDA_BF16_MATH=f32")
 
 
 def _check_adaptive_threads():

@@ -259,13 +259,14 @@ def _repack(tensors, progress):
     """Every tensor as named arrays for the weight file, plus the metadata that describes them."""
     from tqdm import tqdm
     arrays, vectors, packed = {}, [], {}
+    kinds = _chosen_kinds(tensors)
     for name, tensor in tqdm(tensors.items(), desc="repacking", unit="tensor", disable=not progress, leave=False):
         shape = _shape_nk(tensor)
         if len(shape) == 1:
             arrays[name] = _vector_f32(name, tensor)
             vectors.append(name)
         elif len(shape) == 2:
-            weight = _pack_matrix(name, tensor, *shape)
+            weight = _pack_matrix(name, tensor, *shape, kind=kinds.get(tensor.tensor_type.name))
             for array_name, array in weight.arrays.items():
                 arrays[f"{name}/{array_name}"] = array
             packed[name] = {"kind": weight.kind, "n": weight.n, "k": weight.k,
@@ -287,14 +288,27 @@ def _vector_f32(name, tensor):
         raise UserError(f"tensor {name} has type {type_name}, which llambda cannot read") from None
 
 
-def _pack_matrix(name, tensor, n, k):
+def _chosen_kinds(tensors):
+    """GGUF type -> the kind its matrices pack into where this machine chooses (BF16:
+    runtime/bf16_math.py, which times the two kernels once per machine); the rest, their
+    default kinds."""
+    if not any(t.tensor_type.name == "BF16" and len(_shape_nk(t)) == 2 for t in tensors.values()):
+        return {}
+    from llambda.runtime import bf16_math
+    try:
+        return {"BF16": bf16_math.bf16_kind()}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _pack_matrix(name, tensor, n, k, kind=None):
     type_name = tensor.tensor_type.name
     supported = layouts.supported_types()
     if type_name not in supported:
         raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
                         f"(supported: {', '.join(supported)})")
     try:
-        return layouts.pack(type_name, tensor.data, n, k)
+        return layouts.pack(type_name, tensor.data, n, k, kind=kind)
     except ValueError as e:
         raise UserError(f"tensor {name} ({type_name}, {n} x {k}): {e}") from None
 
@@ -330,8 +344,9 @@ def ensure_converted(path, progress=True):
     """The llambda file for ``path``: itself if it is one, else its cached conversion.
 
     A GGUF is converted on first use into ``<cache>/converted/<stem>-<key>.llb``,
-    the key hashing its absolute path, size, mtime and the packing code, so an
-    edited GGUF or a changed layout gets a fresh conversion.
+    the key hashing its absolute path, size, mtime, the packing code and what the
+    machine chooses for BF16 matrices (runtime/bf16_math.py), so an edited GGUF, a
+    changed layout or another choice gets a fresh conversion.
     """
     path = Path(path)
     kind = _sniff(path)
@@ -349,8 +364,13 @@ def ensure_converted(path, progress=True):
 
 
 def _cache_key(path):
+    from llambda.runtime import bf16_math
     stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{packer_fingerprint()}"
+    try:
+        choice = bf16_math.cache_token()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{packer_fingerprint()}\0{choice}"
     return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KindTraits:
     kind: str
-    activation: str       # "q8" or "f32"
+    activation: str       # "q8", "bf16" or "f32"
     linear: str           # backend op name: op(activations..., w, out)
     embed: bool = False   # an embed kernel reads this kind inside a plan
 
@@ -39,6 +39,7 @@ TRAITS = {t.kind: t for t in (
     KindTraits("f32", activation="f32", linear="gemm_f32"),
     KindTraits("f16", activation="f32", linear="gemm_f16"),
     KindTraits("bf16", activation="f32", linear="gemm_bf16"),
+    KindTraits("bf16_pairs", activation="bf16", linear="gemm_bf16_pairs"),
 )}
 
 

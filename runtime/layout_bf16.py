@@ -11,15 +11,15 @@ zero. The bits are GGUF's, unchanged.
 Activations are converted to bf16 as llama.cpp's GGML_FP32_TO_BF16 does for its bf16
 vec_dot: round to nearest even, NaN kept quiet (``to_bf16``).
 
-Not a registered layout: GGUF BF16 tensors load as kind "bf16" (runtime/layout_float.py,
-multiplied exactly in f32), which was the faster of the two at prefill where measured
-(README, "Float models").
+GGUF BF16 tensors pack into this kind only where runtime/bf16_math.py chooses it (the
+machine runs ``vdpbf16ps`` faster than the float kernel); by default they are kind "bf16"
+(runtime/layout_float.py, multiplied exactly in f32).
 """
 import numpy as np
 
 from . import buffers
 from .layout_float import PANEL_ROWS, n_panels
-from .layouts import PackedWeight
+from .layouts import Layout, PackedWeight, register
 
 PAIR = 2
 
@@ -57,6 +57,15 @@ def dequantize(w):
     return (rows.astype(np.uint32) << 16).view(np.float32)
 
 
+def rows(w, ids):
+    """Rows ``ids`` of W as f32 [len(ids), k] (exact): the embedding lookup of a tied table."""
+    panels = w.arrays["panels"]
+    ids = np.asarray(ids)
+    picked = panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS, :]          # [len(ids), k pairs, 2]
+    bits = picked.reshape(len(ids), -1)[:, :w.k]
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def to_bf16(x, out=None):
     """f32 [m, k] -> bf16 bits uint16 [m, 2 ceil(k / 2)] (the pad column zero), as
     llama.cpp rounds: nearest even; NaN -> its high half with the quiet bit set."""
@@ -76,3 +85,6 @@ def to_bf16(x, out=None):
 def from_bf16(bits, k):
     """bf16 bits [m, >= k] -> f32 [m, k] (exact)."""
     return (np.asarray(bits)[:, :k].astype(np.uint32) << 16).view(np.float32)
+
+
+register(Layout("bf16_pairs", ("BF16",), pack, dequantize, rows), default=False)

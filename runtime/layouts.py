@@ -20,6 +20,8 @@ meaning depends on ``kind``:
     f32     panels of f32                                            -- F32 weights
     f16     panels of f16                                            -- F16 weights
     bf16    panels of bf16 bits (uint16), widened exactly by the GEMM -- BF16 weights
+    bf16_pairs  panels of (even, odd) k pairs of bf16 bits, for vdpbf16ps -- BF16 weights
+            where runtime/bf16_math.py chooses it (layout_bf16.py)
 
 The weight file stores exactly these arrays, so loading is mapping them.
 ``pack`` / ``dequantize`` / ``rows`` dispatch on kind to the module that owns
@@ -54,17 +56,20 @@ class Layout:
 
 
 LAYOUTS = {}          # kind -> Layout
-_BY_SOURCE = {}       # GGUF type name -> Layout
+_BY_SOURCE = {}       # GGUF type name -> the Layout it packs into unless told otherwise
 
 
-def register(layout):
+def register(layout, default=True):
+    """``default``: the layout its source types pack into when ``pack`` names no kind (a
+    layout that is only chosen, as bf16_pairs, is registered with default=False)."""
     LAYOUTS[layout.kind] = layout
     for t in layout.source_types:
-        _BY_SOURCE[t] = layout
+        if default or t not in _BY_SOURCE:
+            _BY_SOURCE[t] = layout
 
 
 def _load_layouts():
-    from . import layout_quant, layout_float, layout_q5, layout_kquant, layout_kquant16  # noqa: F401  (each calls register)
+    from . import layout_quant, layout_float, layout_q5, layout_kquant, layout_kquant16, layout_bf16  # noqa: F401  (each calls register)
 
 
 def supported_types():
@@ -72,12 +77,19 @@ def supported_types():
     return sorted(_BY_SOURCE)
 
 
-def pack(gguf_type, raw, n, k):
-    """Repack one GGUF tensor (``raw`` as ``gguf.GGUFReader`` returns its data) into a PackedWeight."""
+def pack(gguf_type, raw, n, k, kind=None):
+    """Repack one GGUF tensor (``raw`` as ``gguf.GGUFReader`` returns its data) into a PackedWeight,
+    of ``kind`` when given (one of the kinds that type packs into), else of the type's default kind."""
     _load_layouts()
     layout = _BY_SOURCE.get(gguf_type)
     if layout is None:
         raise ValueError(f"tensor type {gguf_type} is not supported (supported: {', '.join(sorted(_BY_SOURCE))})")
+    if kind is not None:
+        chosen = LAYOUTS.get(kind)
+        if chosen is None or gguf_type not in chosen.source_types:
+            able = sorted(name for name, other in LAYOUTS.items() if gguf_type in other.source_types)
+            raise ValueError(f"tensor type {gguf_type} does not pack into kind {kind!r} (it packs into {', '.join(able)})")
+        layout = chosen
     return layout.pack(gguf_type, raw, n, k)
 
 

@@ -36,6 +36,7 @@ from . import library
 from .native import embed as n_embed
 from .native import elementwise as n_elementwise
 from .native import gemm as n_gemm
+from .native import gemm_bf16 as n_bf16
 from .native import paged as n_paged
 from .native import quant as n_quant
 from .native._lib import index_range
@@ -323,18 +324,36 @@ class PlanRecorder:
     def gemm_bf16(self, x, w, out):
         self._gemm(n_gemm.gemm_bf16_calls_ranges, "gemm_bf16", x, w, out)
 
+    def round_bf16(self, x, xb):
+        calls = self._split(x.shape[0], 1, None, 8, make_calls=lambda rs: n_bf16.round_bf16_calls(x, xb, rs))
+        self._add(calls, [x], [xb], OpInfo("round_bf16", 3.0 * x.size, 6.0 * x.size))
+
+    def gemm_bf16_pairs(self, xb, w, out):
+        # one kernel call per column chunk (k is never blocked), split as the float kinds are
+        m = xb.shape[0]
+        long_op = 2.0 * m * w.n * w.k > LONG_OP_FLOPS or w.nbytes > LONG_OP_BYTES
+        calls = self._split(w.n, self._column_multiple(w.n), None,
+                            make_calls=lambda rs: n_bf16.gemm_bf16_pairs_calls_ranges(xb, w, out, rs),
+                            per_thread=CHUNKS_PER_THREAD_LONG if long_op else CHUNKS_PER_THREAD)
+        self._add(calls, [xb, *w.arrays.values()], [out],
+                  OpInfo("gemm_bf16_pairs", 2.0 * m * w.n * w.k, w.nbytes + xb.nbytes + 4.0 * out.size))
+
+    @staticmethod
+    def _column_multiple(n):
+        """Column chunks of whole column blocks of the float kernels when n allows."""
+        if n >= 2 * n_gemm.SPLIT_COLUMNS:
+            return n_gemm.SPLIT_COLUMNS
+        if n >= 2 * n_gemm.SPLIT_COLUMNS_NARROW:
+            return n_gemm.SPLIT_COLUMNS_NARROW
+        return LINE
+
     def _gemm(self, make_calls, name, x, w, out):
         # A large product is several kernel calls per column range (m and k blocks), to be
         # run in order: one op each.
         # Each step a dynamic op over the same column chunks; the step order per column
         # is kept by the barriers between the steps (each writes what the last wrote).
         # Columns only (batch invariance), in whole column blocks of the kernels when n allows.
-        if w.n >= 2 * n_gemm.SPLIT_COLUMNS:
-            multiple = n_gemm.SPLIT_COLUMNS
-        elif w.n >= 2 * n_gemm.SPLIT_COLUMNS_NARROW:
-            multiple = n_gemm.SPLIT_COLUMNS_NARROW
-        else:
-            multiple = LINE
+        multiple = self._column_multiple(w.n)
         long_op = 2.0 * x.shape[0] * w.n * w.k > LONG_OP_FLOPS or w.nbytes > LONG_OP_BYTES
         per_chunk = self._split(w.n, multiple, None, make_calls=lambda rs: make_calls(x, w, out, rs),
                                 per_thread=CHUNKS_PER_THREAD_LONG if long_op else CHUNKS_PER_THREAD)

@@ -42,7 +42,9 @@ Llama 3's rope_freqs and Phi-3's rope_factors_short/long (long when the
 context exceeds the original one) divide the frequencies.
 
 Weights are float32; matmuls run in float32 (BLAS), reductions (RMS, softmax)
-in float64. Use:
+in float64. ``bf16_activations=True`` rounds the input of every product with a
+BF16 matrix to bf16 (nearest even), as llama.cpp's bf16 dot product and llambda's
+``vdpbf16ps`` path (LLAMBDA_BF16_MATH=bf16) do. Use:
 
     logits = reference_logits(path, ids)           # [len(ids), vocab], prefill from 0
     model = ReferenceModel(path)
@@ -220,11 +222,15 @@ class ReferenceWeights:
         return sum(array.nbytes for array in arrays)
 
 
+class BF16Matrix(np.ndarray):
+    """A matrix dequantized from a BF16 tensor: an ndarray that says where it came from."""
+
+
 def _dequantized(tensor) -> np.ndarray:
     """A GGUF tensor as float32 numpy, in numpy order: a 2-D weight is [out, in].
 
     GGUF lists dimensions fastest-first (ne0 = in), so the numpy shape is the
-    reverse of tensor.shape.
+    reverse of tensor.shape. A BF16 matrix comes back as a BF16Matrix.
     """
     shape = tuple(int(n) for n in reversed(tensor.shape))
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -232,7 +238,10 @@ def _dequantized(tensor) -> np.ndarray:
     values = np.array(values, dtype=np.float32, copy=True)
     if values.size != int(np.prod(shape)):
         raise ValueError(f"{tensor.name}: dequantized {values.size} values for shape {shape}")
-    return values.reshape(shape)
+    values = values.reshape(shape)
+    if tensor.tensor_type == gguf.GGMLQuantizationType.BF16 and len(shape) == 2:
+        return values.view(BF16Matrix)
+    return values
 
 
 def _read_weights(gguf_path: str) -> ReferenceWeights:
@@ -394,8 +403,17 @@ def _rope(x: np.ndarray, positions: np.ndarray, config: ReferenceConfig,
     return out
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    y = x @ weight.T
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """x (float32, finite) rounded to the nearest bf16, ties to even, as float32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
+            bf16_activations: bool = False) -> np.ndarray:
+    if bf16_activations and isinstance(weight, BF16Matrix):
+        x = _round_bf16(x)
+    y = x @ np.asarray(weight).T
     return y if bias is None else y + bias
 
 
@@ -432,7 +450,8 @@ class ReferenceModel:
     ``n_ctx`` (default: the trained context) only chooses Phi-3's long or short RoPE
     factors, as llama.cpp does from its context size."""
 
-    def __init__(self, gguf_path, n_ctx=None):
+    def __init__(self, gguf_path, n_ctx=None, bf16_activations=False):
+        self.bf16_activations = bf16_activations
         self.weights = load_reference_weights(gguf_path)
         self.config = c = self.weights.config
         w = self.weights
@@ -464,13 +483,13 @@ class ReferenceModel:
             raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
         first_pos = self.position
         positions = first_pos + np.arange(ids.size)
-        x = self.weights.token_embd[ids] * np.float32(c.embed_scale)
+        x = np.asarray(self.weights.token_embd)[ids] * np.float32(c.embed_scale)
         for i, layer in enumerate(self.weights.layers):
             x = x + self._post_norm(layer, "post_attention_norm",
                                     self._attention_block(i, layer, x, positions, first_pos))
             x = x + self._post_norm(layer, "post_ffw_norm", self._ffn_block(layer, x))
         x = _rms_norm(x, self.weights.output_norm, c.rms_eps)
-        logits = _linear(x, self.weights.output)
+        logits = self._linear(x, self.weights.output)
         if c.logit_softcap > 0:
             logits = (c.logit_softcap * np.tanh(logits.astype(np.float64) / c.logit_softcap)).astype(np.float32)
         return logits
@@ -491,22 +510,25 @@ class ReferenceModel:
         c = self.config
         h = _rms_norm(x, layer.attn_norm, c.rms_eps)
         n_tokens = x.shape[0]
-        q = _linear(h, layer.wq, layer.biases.get("attn_q")).reshape(n_tokens, c.n_head, c.head_dim)
-        k = _linear(h, layer.wk, layer.biases.get("attn_k")).reshape(n_tokens, c.n_kv_head, c.head_dim)
-        v = _linear(h, layer.wv, layer.biases.get("attn_v")).reshape(n_tokens, c.n_kv_head, c.head_dim)
+        q = self._linear(h, layer.wq, layer.biases.get("attn_q")).reshape(n_tokens, c.n_head, c.head_dim)
+        k = self._linear(h, layer.wk, layer.biases.get("attn_k")).reshape(n_tokens, c.n_kv_head, c.head_dim)
+        v = self._linear(h, layer.wv, layer.biases.get("attn_v")).reshape(n_tokens, c.n_kv_head, c.head_dim)
         q = _rope(self._head_norm(layer, "attn_q_norm", q), positions, c, self.freq_factors, i)
         k = _rope(self._head_norm(layer, "attn_k_norm", k), positions, c, self.freq_factors, i)
         self._keys[i] = np.concatenate([self._keys[i], k])
         self._values[i] = np.concatenate([self._values[i], v])
         attended = _attention(q, self._keys[i], self._values[i], first_pos, c, c.window(i))
-        return _linear(attended, layer.wo, layer.biases.get("attn_output"))
+        return self._linear(attended, layer.wo, layer.biases.get("attn_output"))
 
     def _ffn_block(self, layer, x):
         h = _rms_norm(x, layer.ffn_norm, self.config.rms_eps)
         act = _ACTIVATIONS[self.config.activation]
-        return _linear(act(_linear(h, layer.w_gate)) * _linear(h, layer.w_up), layer.w_down)
+        return self._linear(act(self._linear(h, layer.w_gate)) * self._linear(h, layer.w_up), layer.w_down)
+
+    def _linear(self, x, weight, bias=None):
+        return _linear(x, weight, bias, bf16_activations=self.bf16_activations)
 
 
-def reference_logits(gguf_path, ids, n_ctx=None) -> np.ndarray:
+def reference_logits(gguf_path, ids, n_ctx=None, bf16_activations=False) -> np.ndarray:
     """Logits [len(ids), vocab] (float32) of a full causal prefill of `ids` from position 0."""
-    return ReferenceModel(gguf_path, n_ctx=n_ctx).prefill(ids)
+    return ReferenceModel(gguf_path, n_ctx=n_ctx, bf16_activations=bf16_activations).prefill(ids)

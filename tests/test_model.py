@@ -2,6 +2,10 @@
 
 Tolerances. Float weights (F32, F16, BF16) go through FP32 kernels only, so
 logits agree to float rounding: max |dlogit| <= 1e-3 * (1 + max |logit|).
+"BF16-vdpbf16ps" is a BF16 model converted with LLAMBDA_BF16_MATH=bf16 (its activations
+rounded to bf16 before each product, runtime/bf16_math.py), where the CPU has
+AVX512_BF16: against the reference forward that rounds the same way, the same
+tolerance, and against the plain one max |dlogit| <= 2e-2 * (1 + max |logit|).
 Quantized weights multiply int8-quantized activations (Q8 blocks of 32, as
 llama.cpp does), which the reference does not: there we require the same
 top-1 token at (almost) every position, KL(ref || fast) <= 0.01 nats on
@@ -14,9 +18,12 @@ import pytest
 
 import llambda
 from llambda.synth import write_random_llama
+from llambda.runtime.native.gemm_bf16 import bf16_supported
 from reference_forward import reference_logits
 
-FLOAT_TYPES = ["F32", "F16", "BF16"]
+FLOAT_TYPES = ["F32", "F16", "BF16", "BF16-vdpbf16ps"]
+# the LLAMBDA_BF16_MATH each model loads (and so converts) with
+MATH = {"BF16": "f32", "BF16-vdpbf16ps": "bf16"}
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 # Float models use sizes that are not multiples of 8 (head_dim 18) to reach
@@ -39,25 +46,45 @@ def _kl(ref, fast):
 @pytest.fixture(scope="module", params=FLOAT_TYPES + QUANT_TYPES)
 def tiny_model(request, tmp_path_factory):
     t = request.param
+    if MATH.get(t) == "bf16" and not bf16_supported():
+        pytest.skip("this CPU lacks avx512_bf16")
     shape = SHAPES["float" if t in FLOAT_TYPES else "quant"]
     path = tmp_path_factory.mktemp("models") / f"tiny-{t}.gguf"
-    write_random_llama(path, tensor_type=t, seed=7, n_ctx=256, **shape)
+    write_random_llama(path, tensor_type=t.split("-")[0], seed=7, n_ctx=256, **shape)
     return t, path
+
+
+def _load(t, path, monkeypatch, **options):
+    """The model, converted with the BF16 arithmetic its parameter names (the others: unset)."""
+    if t in MATH:
+        monkeypatch.setenv("LLAMBDA_BF16_MATH", MATH[t])
+    else:
+        monkeypatch.delenv("LLAMBDA_BF16_MATH", raising=False)
+    return llambda.load(path, progress=False, **options)
 
 
 def _prompt(vocab, n, seed):
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
-def test_logits_match_reference(tiny_model, tmp_path):
+def test_logits_match_reference(tiny_model, monkeypatch):
     t, path = tiny_model
-    model = llambda.load(path, n_ctx=256, progress=False)
+    model = _load(t, path, monkeypatch, n_ctx=256)
+    if t in MATH:                                    # the arithmetic asked for is the one packed
+        kinds = {w.kind for w in vars(model.net.layers[0]).values() if hasattr(w, "kind")}
+        assert kinds == {"f32": {"bf16"}, "bf16": {"bf16_pairs"}}[MATH[t]]
     for n, seed in ((1, 0), (13, 1), (150, 2)):      # 150 > one prefill chunk
         ids = _prompt(model.config.vocab_size, n, seed)
         fast = model.logits(ids)
-        ref = reference_logits(str(path), ids)
+        rounds = MATH.get(t) == "bf16"
+        ref = reference_logits(str(path), ids, bf16_activations=rounds)
         assert fast.shape == ref.shape
         assert np.isfinite(fast).all()
+        if rounds:
+            plain = reference_logits(str(path), ids)
+            np.testing.assert_allclose(fast, plain, rtol=0, atol=2e-2 * (1 + np.abs(plain).max()))
+            # and the rounding is seen: the plain reference is further away than the rounded one
+            assert np.abs(fast - plain).max() > np.abs(fast - ref).max()
         if t in FLOAT_TYPES:
             np.testing.assert_allclose(fast, ref, rtol=0, atol=1e-3 * (1 + np.abs(ref).max()))
         else:
@@ -68,12 +95,12 @@ def test_logits_match_reference(tiny_model, tmp_path):
             assert np.abs(fast - ref).max() <= 0.05 * spread
 
 
-def test_decode_step_by_step_equals_prefill(tiny_model):
+def test_decode_step_by_step_equals_prefill(tiny_model, monkeypatch):
     """The KV cache path (one token at a time) gives the prefill's logits: bit for bit with
     quantized weights (the qgemm kernels sum a row alike whatever m and ISA:
     tests/test_batch_invariance.py); float weights' GEMM still rounds by m (codegen/gemm.py)."""
     t, path = tiny_model
-    model = llambda.load(path, n_ctx=64, progress=False)
+    model = _load(t, path, monkeypatch, n_ctx=64)
     ids = _prompt(model.config.vocab_size, 20, 3)
     full = model.logits(ids)
     for i in range(1, len(ids) + 1):

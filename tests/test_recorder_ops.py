@@ -12,6 +12,7 @@ import pytest
 from helpers import nan_buffer
 from llambda.codegen.contract import KV_BLOCK
 from llambda.runtime import buffers, get_backend
+from llambda.runtime.native.gemm_bf16 import bf16_supported
 from llambda.runtime.pool import WorkerPool
 from llambda.runtime.recorder import PlanRecorder
 
@@ -199,3 +200,30 @@ def test_recorded_attention_long_context_split_over_segments(native, pool, arena
             out[:] = np.nan
             recorder.plan.run(pool)
             np.testing.assert_array_equal(out, want[rows[0]:rows[1]])
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="this CPU lacks avx512_bf16")
+def test_recorded_bf16_rounding_and_product_match_direct_calls(native, pool):
+    """round_bf16 (split by rows) then gemm_bf16_pairs (split by columns): the direct calls' bits."""
+    from llambda.runtime import layout_bf16
+    from llambda.runtime.native import gemm_bf16
+    rng = np.random.default_rng(4)
+    m, n, k = 37, 3 * 48 + 16 + 5, 577                  # odd k: the pad column; a partial panel
+    x = random(rng, (m, k))
+    raw = (random(rng, (n, k)).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, 2 * k)
+    w = layout_bf16.pack("BF16", raw, n, k)
+    xb = buffers.full((m, 2 * layout_bf16.k_pairs(k)), 0x7FC1, np.uint16)
+    out = nan_buffer((m, n))
+
+    def build(rec):
+        rec.round_bf16(x, xb)
+        rec.gemm_bf16_pairs(xb, w, out)
+
+    recorder = record(2, build)
+    assert split_across(recorder.plan, 0, 2) and split_across(recorder.plan, 1, 2)
+    recorder.plan.run(pool)
+    want_xb = layout_bf16.to_bf16(x)
+    want = nan_buffer((m, n))
+    gemm_bf16.gemm_bf16_pairs(want_xb, w, want)
+    np.testing.assert_array_equal(xb, want_xb)
+    np.testing.assert_array_equal(out, want)

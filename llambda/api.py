@@ -262,12 +262,15 @@ class Model:
         return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
 
     # -- profiling --------------------------------------------------------------
-    def profile(self, tokens=32, prefill=128):
-        """Time every op of ``tokens`` decode steps (and of one ``prefill``-token chunk,
-        unless 0) as the plan runs: a llambda.profile.ProfileReport (``.table()``,
-        ``.as_dict()``). Empties the KV cache."""
+    def profile(self, tokens=32, prefill=128, prompt=None):
+        """Time every op of ``tokens`` decode steps after ``prompt`` (text or token ids;
+        default a short prompt), and of one ``prefill``-token chunk unless 0, as the plan
+        runs: a llambda.profile.ProfileReport (``.table()``, ``.as_dict()``). Empties the
+        KV cache."""
         from .profile import profile_decode
-        return profile_decode(self, tokens=tokens, prefill=prefill)
+        if isinstance(prompt, str):
+            prompt = self.tokenize(prompt)
+        return profile_decode(self, tokens=tokens, prefill=prefill, prompt=prompt)
 
 
 def _prefault(weights, config):

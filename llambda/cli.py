@@ -103,7 +103,7 @@ def cmd_run(args):
         out = dict(prompt_ids=stats.prompt_ids, ids=stats.ids, text=text, load_s=model.load_s, **stats.as_dict())
         print(json.dumps(out, ensure_ascii=False))
         if args.profile:
-            print(model.profile().table(), file=sys.stderr)
+            print(model.profile(prompt=stats.prompt_ids).table(), file=sys.stderr)
         return 0
     if args.echo:
         sys.stdout.write(prompt)
@@ -113,7 +113,7 @@ def cmd_run(args):
     sys.stdout.write("\n")
     _print_stats(model, stats)
     if args.profile:
-        print("\n" + model.profile().table(), file=sys.stderr)
+        print("\n" + model.profile(prompt=stats.prompt_ids).table(), file=sys.stderr)
     return 0
 
 
@@ -282,7 +282,8 @@ def build_parser():
     run.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
     run.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     run.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text, timings")
-    run.add_argument("--profile", action="store_true", help="afterwards, time every op of the plan (table on stderr)")
+    run.add_argument("--profile", action="store_true", help="afterwards, time every op of the plan: decode steps after this "
+                     "prompt, and a 128-token prefill chunk (table on stderr)")
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's template")

@@ -335,15 +335,17 @@ def _work(op, run, config):
 
 
 # -- driving the model ------------------------------------------------------------
-def profile_decode(model, tokens=32, prefill=128):
-    """Profile ``tokens`` decode steps after a short prompt (and one ``prefill``-token
-    chunk, unless 0) of ``model``, a llambda.api.Model, through its normal path.
+def profile_decode(model, tokens=32, prefill=128, prompt=None):
+    """Profile ``tokens`` decode steps after ``prompt`` (token ids; default a short one) and
+    one ``prefill``-token chunk, unless 0, of ``model``, a llambda.api.Model, through its
+    normal path. A long prompt is what decode attention costs in proportion to: the steps
+    run after it, its first ids dropped when the context would not hold the steps too.
 
     Returns a ProfileReport. The KV cache is left empty."""
     tokens = _count("tokens", tokens, minimum=1)
     prefill = _count("prefill", prefill, minimum=0)
     net = model.net
-    prompt = _prompt(model)
+    prompt = _prompt(model) if prompt is None else _prompt_ids(model, prompt, tokens)
     tokens = min(tokens, model.n_ctx - len(prompt) - WARMUP_STEPS)
     if tokens < 1:
         raise ValueError(f"tokens: the context of {model.n_ctx} has no room to decode after the prompt")
@@ -400,6 +402,22 @@ def _time_prefill(model, timer, size):
 def _prompt(model):
     ids = model.tokenize(PROMPT)
     return ids[:max(1, model.n_ctx // 4)] or [0]
+
+
+def _prompt_ids(model, prompt, tokens):
+    """``prompt`` (token ids) checked, its last ids only when the context must also hold
+    the warm-up and the ``tokens`` steps (at least one id, at most n_ctx - 1 - WARMUP_STEPS)."""
+    try:
+        ids = [int(i) for i in prompt]
+    except (TypeError, ValueError):
+        raise ValueError(f"prompt: expected token ids, got {prompt!r:.60}") from None
+    if not ids:
+        raise ValueError("prompt: expected at least one token id")
+    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} is outside [0, {model.config.vocab_size})")
+    room = max(1, model.n_ctx - WARMUP_STEPS - tokens)
+    return ids[-room:]
 
 
 def _count(name, value, minimum):

@@ -235,6 +235,25 @@ def test_the_timed_runner_gives_identical_logits(tiny_model):
     model._cached = []
 
 
+def test_decode_is_profiled_after_the_prompt_given(tiny_model):
+    """Decode attention costs in proportion to the context: the steps run after the prompt
+    given (ids or text), and a prompt the context cannot hold with them keeps its last ids."""
+    from llambda.profile import WARMUP_STEPS
+    model = tiny_model
+    ids = np.random.default_rng(4).integers(0, SHAPE["vocab_size"], 50).tolist()
+    report = model.profile(tokens=4, prefill=0, prompt=ids)
+    assert report.decode.positions == (50 + WARMUP_STEPS, 50 + WARMUP_STEPS + 3)
+    assert report.prefill is None
+    longer = ids * (N_CTX // 50 + 1)
+    report = model.profile(tokens=4, prefill=0, prompt=longer)
+    assert report.decode.positions == (N_CTX - 4, N_CTX - 1)          # the context, filled
+    text = model.profile(tokens=2, prefill=0, prompt="hello world")
+    assert text.decode.positions[0] == len(model.tokenize("hello world")) + WARMUP_STEPS
+    for bad, message in (([], "at least one"), ([SHAPE["vocab_size"]], "outside"), ([1, "x"], "token ids")):
+        with pytest.raises(ValueError, match=f"prompt: .*{message}"):
+            model.profile(tokens=2, prompt=bad)
+
+
 def test_bad_arguments(tiny_model):
     for bad in (0, -1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="tokens"):
@@ -258,6 +277,19 @@ def test_cli_run_profile_prints_the_table_to_stderr(tiny_gguf):
     assert "| op" not in proc.stdout
     for needle in ("llambda profile:", "decode:", "prefill:", "qgemm_q4_1", "**python**"):
         assert needle in proc.stderr, proc.stderr
+
+
+def test_cli_run_profile_decodes_after_the_runs_prompt(tiny_gguf, tmp_path):
+    from llambda.profile import WARMUP_STEPS
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello world " * 5)
+    proc = subprocess.run([sys.executable, "-m", "llambda.cli", "run", "--model", str(tiny_gguf),
+                           "--ctx", "128", "--max-tokens", "2", "--temperature", "0", "--json",
+                           "--prompt-file", str(prompt), "--profile"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    n_prompt = len(json.loads(proc.stdout)["prompt_ids"])
+    assert n_prompt > 10
+    assert f"tokens at positions {n_prompt + WARMUP_STEPS}.." in proc.stderr, proc.stderr
 
 
 def test_attention_work_honours_the_sliding_window():

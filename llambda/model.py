@@ -40,6 +40,10 @@ from .kv_pool import KVPool
 DEFAULT_BATCH = 128
 # Head rows a step can compute at least (all-logits runs go this many rows at a time)
 MIN_HEAD_ROWS = 16
+# A step of at least this many rows multiplies each weight byte it reads this many times:
+# compute-bound, it is not tried on fewer threads while their cores are idle
+# (runtime/thread_choice.py).
+COMPUTE_BOUND_ROWS = 32
 # Step shapes are padded up to one of these (then to the buffers' size): a plan per bucket,
 # and at most a third of a step's rows wasted on padding.
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -160,7 +164,7 @@ class TransformerModel:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            self.thread_choice.run(self.pool, self._plan(mb, hb).plan)
+            self.thread_choice.run(self.pool, self._plan(mb, hb).plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
         else:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)

@@ -32,6 +32,12 @@ runtime/cpu_usage.py snapshots), the try is skipped and looked at again ``interv
 later. On a machine shared with a process that never sleeps, decode then stays on the free
 core instead of paying for a try every few dozen tokens.
 
+The caller says when a plan is compute-bound (llambda/model.py: a step of many rows, a
+prefill chunk). Fewer threads are then tried only while other work keeps the cores they would
+leave busy: on idle cores such a try is hopeless (one core for a prefill chunk takes twice
+the time), and its runs, a prompt's chunks, are what a second prompt in the same process
+would wait on.
+
 A plan that runs only a few times (one prompt's prefill) is never explored: it runs on
 every thread, as before. What a chunk computes does not depend on who runs it, so the
 choice changes speed, never output. ``LLAMBDA_ADAPTIVE_THREADS=0`` turns it off: every plan
@@ -95,7 +101,9 @@ class PlanTimes:
     samples: list = field(default_factory=list)
     skipped: bool = False               # the exploration's first run, not counted
     switches: int = 0
+    compute_bound: bool = False         # as the caller said at the last run
     usage: dict = None                  # usage(the workers more threads would add) at the last decision
+    usage_down: dict = None             # usage(the workers fewer threads would leave) at the last decision
 
 
 class ThreadChoice:
@@ -121,20 +129,23 @@ class ThreadChoice:
             return self.n_threads
         return times.exploring if times.exploring is not None else times.current
 
-    def run(self, pool, plan):
+    def run(self, pool, plan, compute_bound=False):
+        """Run ``plan`` on its chosen count. ``compute_bound``: fewer threads are tried only
+        while other work keeps busy the cores they would leave."""
         threads = self.threads_for(plan)
         start = self.clock()
         if threads == plan.n_threads:
             pool.run(plan)                  # (a stand-in like llambda.profile's PlanTimer takes no count)
         else:
             pool.run(plan, threads=threads)
-        self.record(plan, threads, self.clock() - start)
+        self.record(plan, threads, self.clock() - start, compute_bound)
 
-    def record(self, plan, threads, seconds):
+    def record(self, plan, threads, seconds, compute_bound=False):
         """Account one run of ``plan`` on ``threads`` workers that took ``seconds``."""
         times = self._times(plan)
         if times is None:
             return
+        times.compute_bound = compute_bound
         if times.exploring is not None and threads == times.exploring:
             if not times.skipped:
                 times.skipped = True
@@ -152,8 +163,11 @@ class ThreadChoice:
         if times.runs >= times.next_explore and times.recent:
             times.exploring = self._neighbour(times)
             times.samples, times.skipped = [], False
-            if times.exploring > times.current and self._taken(times, times.current, times.exploring):
-                self._settle(times)             # not tried, and no backing off: looking is cheap
+            if times.exploring > times.current:
+                if self._taken(times.usage, times.current, times.exploring):
+                    self._settle(times)         # not tried, and no backing off: looking is cheap
+            elif times.compute_bound and not self._taken(times.usage_down, times.exploring, times.current):
+                self._settle(times)             # the cores are there to use: no try, no backing off
 
     def current(self, plan):
         """The count ``plan`` runs on when not exploring (all workers before its first run)."""
@@ -185,10 +199,10 @@ class ThreadChoice:
             times.explore_down = not times.explore_down
         return self.counts[i + 1] if down else self.counts[i - 1]
 
-    def _taken(self, times, have, want):
-        """Whether other work kept the CPUs of workers have..want-1 busy for at least
-        BUSY_ELSEWHERE of the time since the plan last decided."""
-        share = cpu_usage.others_share(times.usage, self.usage(range(have, want)))
+    def _taken(self, snapshot, low, high):
+        """Whether other work kept the CPUs of workers low..high-1 busy for at least
+        BUSY_ELSEWHERE of the time since ``snapshot`` (taken when the plan last decided)."""
+        share = cpu_usage.others_share(snapshot, self.usage(range(low, high)))
         return share is not None and share >= BUSY_ELSEWHERE
 
     def _decide(self, times):
@@ -206,6 +220,8 @@ class ThreadChoice:
         times.exploring, times.samples = None, []
         i = self.counts.index(times.current)
         times.usage = self.usage(range(times.current, self.counts[i - 1])) if i > 0 else None
+        below = i + 1 < len(self.counts)
+        times.usage_down = self.usage(range(self.counts[i + 1], times.current)) if below else None
 
 
 def _mean(values):

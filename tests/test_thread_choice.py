@@ -315,3 +315,46 @@ def test_a_bad_adaptive_threads_value_is_one_error_naming_the_variable(monkeypat
         ThreadChoice(2)
     with pytest.raises(UserError, match="LLAMBDA_ADAPTIVE_THREADS: expected 1 or 0 .* got 'maybe'"):
         llambda.load("no-such-model.gguf", progress=False)        # before any file is read
+
+
+def busy_usage(ticks):
+    """A usage(workers) over ``ticks`` (advanced by the caller): worker 1's core, busy with
+    other work for ticks["share"] of the time."""
+    def usage(workers):
+        assert list(workers) == [1]
+        return {1: (ticks["busy"], ticks["total"])}
+    return usage
+
+
+def test_a_compute_bound_plan_tries_fewer_threads_only_while_their_cores_are_busy():
+    """A prefill chunk: on idle cores never tried on one thread (hopeless, and a second
+    prompt would wait on it); once the other core is busy, tried, and moved to one thread if
+    that is faster there; a plan not called compute-bound still explores on idle cores."""
+    ticks = {"busy": 0, "total": 0, "share": 0.0}
+    busy = lambda run: run > 1000                                     # noqa: E731
+    pool = FakePool(lambda k, run: {2: 9e-3, 1: 8e-3}[k] if busy(run) else {2: 3e-3, 1: 6e-3}[k])
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True, usage=busy_usage(ticks))
+    plan = FakePlan()
+    for run in range(1, 2001):
+        ticks["share"] = 0.9 if busy(run) else 0.0
+        ticks["total"] += 10
+        ticks["busy"] += 10 * ticks["share"]
+        choice.run(pool, plan, compute_bound=True)
+        if run == 1000:
+            assert pool.log.count(1) == 0                 # never tried while the cores were idle
+    assert choice.current(plan) == 1
+    assert pool.log[-100:].count(1) > 90
+    # the same costs, not called compute-bound: explored on idle cores as before
+    pool = FakePool(lambda k, run: {2: 3e-3, 1: 6e-3}[k])
+    drive(None, 200, choice=ThreadChoice(2, clock=pool.clock, adaptive=True, usage=busy_usage(ticks)), pool=pool)
+    assert pool.log.count(1) > 0
+
+
+def test_a_compute_bound_plan_is_not_tried_on_fewer_threads_where_usage_cannot_be_read():
+    """No /proc to read: nothing shows the cores busy, so fewer threads are never tried."""
+    pool = FakePool(lambda k, run: {2: 3e-3, 1: 6e-3}[k])
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True)
+    plan = FakePlan()
+    for _ in range(500):
+        choice.run(pool, plan, compute_bound=True)
+    assert set(pool.log) == {2}

@@ -38,6 +38,12 @@ leave busy: on idle cores such a try is hopeless (one core for a prefill chunk t
 the time), and its runs, a prompt's chunks, are what a second prompt in the same process
 would wait on.
 
+A plan that is not compute-bound (a decode step) starts on fewer threads when other work
+has kept the cores they would leave at least START_BUSY busy since the pool started (over at
+least START_TICKS clock ticks: /proc/stat counts in hundredths of a second): every run on
+a core taken by a process that never sleeps is a time slice late, and the first runs, before
+any exploration, cost most (a decode step's runs then take two or three times as long).
+
 A plan that runs only a few times (one prompt's prefill) is never explored: it runs on
 every thread, as before. What a chunk computes does not depend on who runs it, so the
 choice changes speed, never output. ``LLAMBDA_ADAPTIVE_THREADS=0`` turns it off: every plan
@@ -61,6 +67,8 @@ MARGIN = 0.03           # the other count must be this much faster to take over
 FIRST_LOOK = 2          # runs after which a hopeless exploration stops
 HOPELESS = 0.25         # ... if their mean is this much slower than the current count's
 BUSY_ELSEWHERE = 0.5    # more threads are not tried while the cores they need were this busy
+START_BUSY = 0.9        # a new plan that is not compute-bound starts on fewer threads when the
+START_TICKS = 20        # ... cores they leave were this busy over this many ticks since the start
 
 
 ENV_VALUES = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
@@ -100,6 +108,7 @@ class PlanTimes:
     exploring: int = None
     samples: list = field(default_factory=list)
     skipped: bool = False               # the exploration's first run, not counted
+    fresh: bool = True                  # no run recorded yet
     switches: int = 0
     compute_bound: bool = False         # as the caller said at the last run
     usage: dict = None                  # usage(the workers more threads would add) at the last decision
@@ -121,6 +130,8 @@ class ThreadChoice:
         self.clock = clock
         self.usage = usage or (lambda workers: None)
         self._plans = weakref.WeakKeyDictionary()
+        # the cores fewer threads would leave, as the pool starts: a new plan's first look
+        self._start = self.usage(range(self.counts[1], n_threads)) if len(self.counts) > 1 else None
 
     def threads_for(self, plan):
         """The count the next run of ``plan`` takes."""
@@ -146,6 +157,12 @@ class ThreadChoice:
         if times is None:
             return
         times.compute_bound = compute_bound
+        if times.fresh:
+            times.fresh = False
+            if not compute_bound and self._busy_since_start():
+                times.current = self.counts[1]
+                self._settle(times)
+                return
         if times.exploring is not None and threads == times.exploring:
             if not times.skipped:
                 times.skipped = True
@@ -204,6 +221,16 @@ class ThreadChoice:
         BUSY_ELSEWHERE of the time since ``snapshot`` (taken when the plan last decided)."""
         share = cpu_usage.others_share(snapshot, self.usage(range(low, high)))
         return share is not None and share >= BUSY_ELSEWHERE
+
+    def _busy_since_start(self):
+        """Whether other work kept the cores fewer threads would leave START_BUSY busy since
+        the pool started, over at least START_TICKS ticks."""
+        if self._start is None:
+            return False
+        now = self.usage(range(self.counts[1], self.n_threads))
+        share = cpu_usage.others_share(self._start, now)
+        ticks = sum(now[w][1] - self._start[w][1] for w in now) if share is not None else 0
+        return ticks >= START_TICKS and share >= START_BUSY
 
     def _decide(self, times):
         if len(times.samples) == SAMPLES and _mean(times.samples) < (1 - MARGIN) * _mean(times.recent):

@@ -358,3 +358,38 @@ def test_a_compute_bound_plan_is_not_tried_on_fewer_threads_where_usage_cannot_b
     for _ in range(500):
         choice.run(pool, plan, compute_bound=True)
     assert set(pool.log) == {2}
+
+
+@pytest.mark.parametrize("share, compute_bound, starts_on", [(0.95, False, 1), (0.95, True, 2), (0.5, False, 2)])
+def test_a_new_plan_starts_on_fewer_threads_when_their_cores_were_taken_since_the_start(share, compute_bound,
+                                                                                      starts_on):
+    """A decode step's first run on a core a process that never sleeps has taken costs a time
+    slice: with the other core busy since the pool started (share of START_TICKS and more), a
+    plan that is not compute-bound runs on one thread from its second run, and goes back to two
+    once that core is free."""
+    from llambda.runtime.thread_choice import START_TICKS
+    ticks = {"busy": 0, "total": 0}
+    pool = FakePool(lambda k, run: {2: 3e-3, 1: 4e-3}[k])
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True, usage=busy_usage(ticks))
+    ticks["total"] += START_TICKS
+    ticks["busy"] += START_TICKS * share
+    plan = FakePlan()
+    for _ in range(4):
+        choice.run(pool, plan, compute_bound=compute_bound)
+    assert pool.log == [2] + [starts_on] * 3
+    for _ in range(MAX_INTERVAL):                     # the core is free from now on
+        ticks["total"] += 10
+        choice.run(pool, plan, compute_bound=compute_bound)
+    assert choice.current(plan) == 2
+
+
+def test_too_short_a_look_since_the_start_decides_nothing():
+    from llambda.runtime.thread_choice import START_TICKS
+    ticks = {"busy": 0, "total": 0}
+    pool = FakePool(lambda k, run: {2: 3e-3, 1: 4e-3}[k])
+    choice = ThreadChoice(2, clock=pool.clock, adaptive=True, usage=busy_usage(ticks))
+    ticks["total"] = ticks["busy"] = START_TICKS - 1
+    plan = FakePlan()
+    for _ in range(WARMUP_RUNS):
+        choice.run(pool, plan)
+    assert set(pool.log) == {2}

@@ -46,23 +46,20 @@ def choice():
     """"f32" or "bf16": the arithmetic this machine gives BF16 matrices."""
     value = setting()
     from .native import gemm_bf16
-    if value == "bf16" and not gemm_bf16.bf16_supported():
+    supported = gemm_bf16.bf16_supported()
+    if value == "bf16" and not supported:
         raise ValueError(f"{ENV}=bf16: this CPU lacks {gemm_bf16.CPU_FLAG}")
-    if value != "auto":
-        return value
-    if not gemm_bf16.bf16_supported():
-        return "f32"
-    return measured_choice()
+    if value == "auto":
+        return measured_choice() if supported else "f32"
+    return value
 
 
 def cache_token():
     """What a conversion's cache key needs of the choice, without timing anything: the
     setting, and whether this CPU could run kind "bf16_pairs" at all (so a cache shared with
     a CPU that cannot never hands it a file it cannot multiply)."""
-    from . import cpu
-    from .native.gemm_bf16 import CPU_FLAG
-    able = cpu.supports("avx512") and CPU_FLAG in cpu.cpu_flags()
-    return f"bf16 math {setting()} {'able' if able else 'unable'}"
+    from .native.gemm_bf16 import cpu_runs_bf16
+    return f"bf16 math {setting()} {'able' if cpu_runs_bf16() else 'unable'}"
 
 
 def bf16_kind():

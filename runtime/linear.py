@@ -66,7 +66,12 @@ class Linear:
     def apply(self, w, out):
         """out[m, n] = x[m, k] . W[n, k]^T for the loaded x."""
         t = traits(w.kind)
-        activations = {"q8": self._quantized, "bf16": self._rounded}.get(t.activation, lambda: (self._x,))()
+        if t.activation == "q8":
+            activations = self._quantized()
+        elif t.activation == "bf16":
+            activations = self._rounded()
+        else:
+            activations = (self._x,)
         getattr(self.backend, t.linear)(*activations, w, out)
 
     def __call__(self, x, w, out):

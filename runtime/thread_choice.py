@@ -110,7 +110,6 @@ class PlanTimes:
     skipped: bool = False               # the exploration's first run, not counted
     fresh: bool = True                  # no run recorded yet
     switches: int = 0
-    compute_bound: bool = False         # as the caller said at the last run
     usage: dict = None                  # usage(the workers more threads would add) at the last decision
     usage_down: dict = None             # usage(the workers fewer threads would leave) at the last decision
 
@@ -156,7 +155,6 @@ class ThreadChoice:
         times = self._times(plan)
         if times is None:
             return
-        times.compute_bound = compute_bound
         if times.fresh:
             times.fresh = False
             if not compute_bound and self._busy_since_start():
@@ -183,7 +181,7 @@ class ThreadChoice:
             if times.exploring > times.current:
                 if self._taken(times.usage, times.current, times.exploring):
                     self._settle(times)         # not tried, and no backing off: looking is cheap
-            elif times.compute_bound and not self._taken(times.usage_down, times.exploring, times.current):
+            elif compute_bound and not self._taken(times.usage_down, times.exploring, times.current):
                 self._settle(times)             # the cores are there to use: no try, no backing off
 
     def current(self, plan):

@@ -29,10 +29,16 @@ ROUND_SYMBOL = "llb_round_bf16_f32_16__avx512"
 CPU_FLAG = "avx512_bf16"
 
 
+def cpu_runs_bf16():
+    """Whether this CPU has what the bf16 kernels need (AVX-512 and AVX512_BF16), without
+    loading the kernel library."""
+    return cpu.supports("avx512") and CPU_FLAG in cpu.cpu_flags()
+
+
 @functools.lru_cache(maxsize=None)
 def bf16_supported():
     """Whether this CPU and kernel library run the bf16 GEMM and the rounding it needs."""
-    if cpu.missing_flags("avx512") or CPU_FLAG not in cpu.cpu_flags():
+    if not cpu_runs_bf16():
         return False
     manifest = library.load("avx2").manifest
     return SYMBOL in manifest and ROUND_SYMBOL in manifest

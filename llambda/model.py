@@ -164,7 +164,8 @@ class TransformerModel:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            self.thread_choice.run(self.pool, self._plan(mb, hb).plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
+            plan = self._plan(mb, hb, self._whole_heads(mb, int(self.positions[:m].max()) + 1))
+            self.thread_choice.run(self.pool, plan.plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
         else:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)
@@ -208,17 +209,27 @@ class TransformerModel:
             np.multiply(np.tanh(logits / np.float32(cap)), np.float32(cap), out=logits)
         return logits
 
-    def _plan(self, m, h):
+    def _whole_heads(self, m, keys):
+        """Whether a step of ``m`` rows (padded) that see up to ``keys`` keys runs the plan whose
+        attention is split by key segments alone (runtime/recorder.py whole_head_split): a
+        decode step deep into a long context, where that plan reads the cache once. Other
+        steps keep the plan that splits by heads too, which keeps the threads even when the
+        rows see few segments."""
+        from llambda.runtime.recorder import SPLIT_MAX_ROWS, whole_head_split
+        return m <= SPLIT_MAX_ROWS and whole_head_split(self.threads, keys)
+
+    def _plan(self, m, h, whole_heads=False):
         """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then
-        reused; read from the disk cache when an earlier process kept it)."""
-        key = (m, h)
+        reused; read from the disk cache when an earlier process kept it); ``whole_heads``:
+        its variant for rows deep into a long context (_whole_heads)."""
+        key = (m, h, "whole heads") if whole_heads else (m, h)
         if key not in self._plans:
-            self._plans[key] = self._kept_plan(m, h) or self._record_plan(m, h)
+            self._plans[key] = self._kept_plan(*key) or self._record_plan(*key)
         return self._plans[key]
 
-    def _record_plan(self, m, h):
+    def _record_plan(self, m, h, *variant):
         from llambda.runtime.recorder import PlanRecorder
-        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend)
+        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend, whole_heads=bool(variant))
         lin = self.linear.on(rec)
         self._blocks(rec, lin, m)
         self._head(rec, lin, h)
@@ -227,20 +238,20 @@ class TransformerModel:
             # kept on disk by another thread (the write ends with an fsync) while the step that
             # wants the plan runs; the records are not written to again
             from llambda.runtime import plan_cache
-            storing = plan_cache.store_async(self._plan_key(m, h), rec.plan, rec.ops, self._plan_buffers(),
+            storing = plan_cache.store_async(self._plan_key(m, h, *variant), rec.plan, rec.ops, self._plan_buffers(),
                                              rec.scratch_buffers())
             self._storing = [t for t in self._storing if t.is_alive()] + [storing]
         return rec
 
-    def _kept_plan(self, m, h):
-        """The plan of (m, h) from the disk cache, or None."""
+    def _kept_plan(self, m, h, *variant):
+        """The plan of (m, h, *variant) from the disk cache, or None."""
         if self.source is None:
             return None
         from llambda.runtime import plan_cache
-        kept = plan_cache.load(self._plan_key(m, h), self._plan_buffers())
+        kept = plan_cache.load(self._plan_key(m, h, *variant), self._plan_buffers())
         return None if kept is None else KeptPlan(*kept)
 
-    def _plan_key(self, m, h):
+    def _plan_key(self, m, h, *variant):
         """Everything a recorded plan depends on besides the code, library and CPU (which
         plan_cache adds): the model file, the model and its buffers' shapes, the step shape."""
         from llambda.runtime import plan_cache
@@ -252,7 +263,7 @@ class TransformerModel:
                                     self.kv.n_blocks, self.kv.kv_type, self.threads, bool(self._embed_in_plan),
                                     type(self.backend).__name__]
             self._plan_key_base = plan_cache.key_text(self._plan_key_parts)
-        return f"{self._plan_key_base} {m} {h}"
+        return " ".join([self._plan_key_base, str(m), str(h), *variant])
 
     def _plan_buffers(self):
         """Every buffer a plan may point into, named, in a fixed order (plan_cache's regions)."""
@@ -278,9 +289,12 @@ class TransformerModel:
     def step_shapes(self):
         """Every (rows, head rows) plan shape a step of the engine can have, padded to buckets:
         m rows in all, at most max_batch, and a head row for each of up to max_seqs sequences
-        (at most one per row)."""
-        return sorted({(bucket(m, self.max_batch), bucket(h, self.max_heads))
-                       for m in range(1, self.max_batch + 1) for h in range(1, min(m, self.max_seqs) + 1)})
+        (at most one per row), and (rows, head rows, "whole heads") for the variants of few rows
+        that steps deep into a long context run (_whole_heads), when the context is that long."""
+        shapes = {(bucket(m, self.max_batch), bucket(h, self.max_heads))
+                  for m in range(1, self.max_batch + 1) for h in range(1, min(m, self.max_seqs) + 1)}
+        shapes |= {(m, h, "whole heads") for m, h in shapes if self._whole_heads(m, self.n_ctx)}
+        return sorted(shapes)
 
     def warm_plans(self, shapes=None):
         """Record the plans of ``shapes`` (default: every step shape) now, so that no request
@@ -288,8 +302,8 @@ class TransformerModel:
         if not self.backend.runs_plans:
             return 0
         todo = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._plans]
-        for m, h in todo:
-            self._plan(m, h)
+        for shape in todo:
+            self._plan(*shape)
         return len(todo)
 
     def cold_shape(self):
@@ -402,7 +416,7 @@ class _Profiling:
 
     def describe(self, plan):
         """(rows, with LM head, OpInfo per op, first row's position) of a plan about to run."""
-        for (m, _), recorder in self.net._plans.items():
+        for (m, *_), recorder in self.net._plans.items():
             if recorder.plan is plan:
                 return m, True, recorder.ops, int(self.net.positions[0])
         raise ValueError("plan: not one of this model's plans")

@@ -54,6 +54,18 @@ LONG_OP_FLOPS = 8e6       # an op with more work than either of these is long
 LONG_OP_BYTES = 2e6
 SPLIT_MAX_ROWS = 4        # attention of steps up to this many rows is split over key segments too
 SPLIT_CHUNKS_PER_THREAD = 8   # chunks of (heads, segments) per thread
+# A long context's split attention: chunks of every head, by key segments alone, this many per
+# thread. A KV block holds its KV heads' tiles side by side, and a core's prefetchers fetch past
+# the tile a chunk of one KV head reads into its neighbours', which that core never uses: two
+# threads reading one KV head each from a cache in memory read it two to three times over.
+WHOLE_HEAD_CHUNKS_PER_THREAD = 2
+
+
+def whole_head_split(n_threads, keys):
+    """Whether a step of at most SPLIT_MAX_ROWS rows that see up to ``keys`` keys has enough
+    key segments to split attention by segments alone, every chunk all the heads, and keep
+    the threads even: model.py picks such a step's plan (recorded with ``whole_heads``) by it."""
+    return n_threads > 1 and kv_segments(keys) >= WHOLE_HEAD_CHUNKS_PER_THREAD * n_threads
 
 
 class Split:
@@ -98,8 +110,13 @@ def _interval(a):
 class PlanRecorder:
     """Backend-shaped: record ``op(...)`` calls into ``self.plan`` for ``n_threads``."""
 
-    def __init__(self, n_threads, n_ctx, backend):
+    def __init__(self, n_threads, n_ctx, backend, whole_heads=False):
+        """``whole_heads``: split attention of steps of few rows (decode) by key segments alone
+        wherever the tables hold enough of them (whole_head_split): the plan of steps whose
+        rows see that many keys. Without it, such attention is split by heads and segments,
+        which keeps the threads even at any context."""
         self.n_threads = n_threads
+        self._whole_heads = whole_heads
         self.plan = Plan(n_threads)
         self.ops = []                      # OpInfo per op handle
         self._manifest = library.load().manifest
@@ -234,8 +251,9 @@ class PlanRecorder:
         (heads, segments s = seg0 mod step) write partial records to the recorder's buffer,
         and a combine op merges each row's segments in segment order; more rows are chunked
         by (rows, heads) and each call combines its own. Both give the same bits (the
-        kernel's segments and combine do not depend on the split). The cost is estimated at
-        full tables."""
+        kernel's segments and combine do not depend on the split). With ``whole_heads`` and
+        tables long enough, a decode step's chunks are key segments alone, every head in each
+        (whole_head_split). The cost is estimated at full tables."""
         m, n_head, hd = q.shape
         h0, h1 = index_range("heads", heads, n_head, labels=("h0", "h1"), limit=f"n_head={n_head}")
         max_keys = n_paged.most_keys(tables, window) if isinstance(tables, np.ndarray) and tables.ndim == 2 else 1
@@ -246,7 +264,10 @@ class PlanRecorder:
         segments = kv_segments(max_keys)
         split = self.n_threads > 1 and m <= SPLIT_MAX_ROWS and segments > 1
         wanted = CHUNKS_PER_THREAD * self.n_threads
-        if split:
+        if split and self._whole_heads and whole_head_split(self.n_threads, max_keys):
+            step = WHOLE_HEAD_CHUNKS_PER_THREAD * self.n_threads
+            parts = [dict(heads=(h0, h1), segments=(s, step)) for s in range(step)]
+        elif split:
             # residues first: the low ones hold a segment more when step does not divide the
             # row's segments, and are claimed first, so the threads end together
             step = min(segments, -(-SPLIT_CHUNKS_PER_THREAD * self.n_threads // len(head_ranges)))

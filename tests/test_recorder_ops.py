@@ -155,13 +155,24 @@ def test_calls_for_many_ranges_are_the_single_calls():
         e.add_calls(x, y, out, [(0, 32), (8, 16)])          # a start off the cache line
 
 
+def attention_chunk_heads(plan, op=0):
+    """The (h0, h1) of each chunk of the attention op ``op`` (its packed ``heads`` argument)."""
+    from llambda.codegen.paged import ATTENTION_SIGNATURE
+    ints = [name for name, c_type in ATTENTION_SIGNATURE if c_type != "float"]     # the records' int_args
+    at = ints.index("heads")
+    return [(int(r["int_args"][at]) & 0xFFFFFFFF, int(r["int_args"][at]) >> 32) for r in plan.chunk_records(op)]
+
+
 @pytest.mark.parametrize("arena_type", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("window", [0, 300])
-def test_recorded_attention_long_context_split_over_segments(native, pool, arena_type, window):
+@pytest.mark.parametrize("whole_heads", [False, True])
+def test_recorded_attention_long_context_split_over_segments(native, pool, arena_type, window, whole_heads):
     """Long contexts (several KV_SEGMENT segments): a decode-sized step (split over heads and
     segments, then the combine op) and a prefill chunk (split over rows and heads, each call
     combining its own rows) give each row the bits of the direct call, row alone or in the chunk,
-    whatever the threads claimed."""
+    whatever the threads claimed. A ``whole_heads`` recorder splits a decode step's attention
+    by segments alone, every chunk all the heads, where the tables hold enough segments for
+    the threads (not within the window of 300 keys: two segments)."""
     from llambda.codegen.contract import KV_SEGMENT
     from llambda.runtime.ref.paged import quantize_kv_q8
     rng = np.random.default_rng(4)
@@ -189,13 +200,15 @@ def test_recorded_attention_long_context_split_over_segments(native, pool, arena
         q = buffers.aligned_copy(q_chunk[rows[0]:rows[1]])
         positions = buffers.aligned_copy(chunk_positions[rows[0]:rows[1]])
         out = nan_buffer(q.shape)
-        recorder = PlanRecorder(2, n_ctx, get_backend("avx2"))
+        recorder = PlanRecorder(2, n_ctx, get_backend("avx2"), whole_heads=whole_heads)
         recorder.attention_paged(q, k_arena, v_arena, positions, buffers.zeros(m, np.int32), tables, 0.125, out,
                                  None, window=window)
         recorder.finish()
         names = [op.name for op in recorder.ops]
         assert names == (["attention", "attention_combine"] if m <= 4 else ["attention"])
         assert split_across(recorder.plan, 0, 2)
+        every_head = set(attention_chunk_heads(recorder.plan)) == {(0, n_head)}
+        assert every_head == (whole_heads and m <= 4 and window == 0)
         for _ in range(2):
             out[:] = np.nan
             recorder.plan.run(pool)

@@ -89,14 +89,17 @@ INDEX = 4                      # bytes of an int32 position, sequence or block i
 # values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
 # A q8_0 arena (codegen/contract.py) holds rows of head_dim int8 quants then one f32 scale
 # per 32. Its scores are int8 dot products with q quantized the same way (tile_scores_vnni,
-# tile_scores_int8); a V chunk of 8 is VPMOVSXBD, VCVTDQ2PS, times its block's scale (the
-# f32 value d * q), then the same FMAs as f32. It needs head_dim % 32 == 0.
+# tile_scores_int8); P V takes each key's p times its V block's scale d once per head and
+# block (an f32 product), then FMAs it with the block's quants as f32 (VPMOVSXBD, VCVTDQ2PS,
+# exact): one multiply per head and block of 32 where d * q took one per 8 values. It
+# needs head_dim % 32 == 0.
 ARENA_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 ARENA_C_TYPES = {"f16": "uint16_t", "q8_0": "uint8_t"}
 ROUND_NEAREST_EVEN = 0
 Q8_CHUNKS = KV_Q8_BLOCK // LANES         # chunks of 8 per scale
-# P V tiles of q8_0 (heads x chunks): one register more for the scale than f32's
-PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 2}
+# P V tiles of q8_0 (heads x chunks): whole blocks of 32 (AVX2: 4 chunks) in heads x 4 accumulators,
+# the heads' p times the block's scale and one chunk of quants besides (3 heads: all 16 ymm)
+PV_CHUNKS_Q8 = {1: 8, 2: 4, 3: 4}
 # Scores: partial sums per key (interleaved over head_dim) by ISA (wide = avx512): enough
 # independent FMA chains for heads x KV_BLOCK / lanes x partials = 12 accumulators.
 KEY_PARTIALS = {True: 4, False: 2}
@@ -212,14 +215,6 @@ def zeroed_vectors(frame, heads, n):
 
 
 # ---------------------------------------------------------------- pass 1: scores
-
-def dequantized_chunk(out, quants, scale):
-    """out = the f32 values d * q of 8 (16) int8 quants at ``quants``; ``scale`` the scales
-    (a vector, or their address)."""
-    VPMOVSXBD(out, quants)
-    VCVTDQ2PS(out, out)
-    VMULPS(out, out, scale)
-
 
 def key_vector(frame, out, at):
     """out = the f32 values of frame.lanes consecutive K tile elements at ``at``: f32 loaded,
@@ -635,15 +630,21 @@ def emit_pv_tile(heads, chunks, masked, frame):
         MOV(stride4, frame.stride4)
         with Loop() as keys:
             p = [frame.vec() for _ in range(heads)]
-            for h in range(heads):
-                VBROADCASTSS(p[h], row(probs, stride4, h))
+            if not frame.q8:
+                for h in range(heads):
+                    VBROADCASTSS(p[h], row(probs, stride4, h))
             for c in range(chunks):
                 if frame.q8:
-                    if c % frame.q8_chunks == 0:
+                    if c % frame.q8_chunks == 0:             # p times the block's scale d, per head
                         d = frame.vec()
                         VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                        p = [frame.vec() for _ in range(heads)]
+                        for h in range(heads):
+                            VBROADCASTSS(p[h], row(probs, stride4, h))
+                            VMULPS(p[h], p[h], d)
                     vm = frame.vec()
-                    dequantized_chunk(vm, [values + c * frame.lanes], d)
+                    VPMOVSXBD(vm, [values + c * frame.lanes])
+                    VCVTDQ2PS(vm, vm)
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], vm)
                 elif frame.half:

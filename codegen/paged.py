@@ -26,9 +26,11 @@ of each row, the records in the caller's scratch and combined into ``dest`` = ou
 once; step > 0, the segments s = seg0 (mod step) only, the records written to ``dest`` =
 partials [m, n_segments, n_head, rec] for ``attention_combine`` (runtime/recorder.py
 splits a decode step's keys between threads this way). While a block's scores are
-computed the kernel prefetches that block's V rows and the K tile PREFETCH_BLOCKS blocks
-on, a few lines per step of the dimension loop: a long cache does not fit the caches near
-the core and its blocks sit anywhere.
+computed the kernel prefetches the K tile PREFETCH_BLOCKS blocks on (and, for the
+segment's first KEY_BLOCK keys, the block's V rows), a few lines per step of the dimension
+loop; P V prefetches the V rows KEY_BLOCK keys on, a few lines per key: a long cache does
+not fit the caches near the core, its blocks sit anywhere, and each pass asks for what it
+reads next rather than the scores pass for both.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
 f16 converted and q8_0 values dequantized as they load) and the softmax on zmm up to the
@@ -58,7 +60,7 @@ from types import SimpleNamespace
 
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
-                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB, CMOVAE,
+                            JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB, CMOVAE, CMOVGE,
                             PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
@@ -227,6 +229,11 @@ def key_vector(frame, out, at):
 
 CACHE_LINE = 64
 PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
+# P V asks for the V rows KEY_BLOCK keys on, this many lines per key: a block's V rows of one
+# KV head (16 rows of f16 at head_dim 64: 32 lines) while it multiplies this block's. The
+# scores pass asks for a segment's first KEY_BLOCK keys' V only, so each pass of a segment
+# spreads its own reads instead of the scores pass asking for K and V at once.
+PV_PREFETCH_LINES = 2
 
 
 def prefetch_share(pointers, lines):
@@ -525,6 +532,9 @@ def prefetch_targets(frame, key):
     MOV(block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.v_head, v_tile)
+    into = gp()
+    MOV(into, block)
+    SUB(into, frame.first)                           # keys into the segment (negative: its first block)
     ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
     end, later = gp(), gp()
     MOV(end, frame.first)
@@ -539,6 +549,8 @@ def prefetch_targets(frame, key):
     CMOVA(block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.k_head, k_tile)
+    CMP(into, KEY_BLOCK)                             # later V blocks: P V asks for them (emit_pv_tile)
+    CMOVGE(v_tile, k_tile)
     return (v_tile, k_tile)
 
 
@@ -621,6 +633,20 @@ def emit_pv_tile(heads, chunks, masked, frame):
         elif frame.half:
             SHR(offset, 1)                           # out's f32 columns -> the arena's halves
         ADD(values, offset)
+        later, ahead = gp(), gp()                    # key's row KEY_BLOCK keys on (as prefetch_targets
+        LEA(later, [key + KEY_BLOCK])                # counts them), or this one's past the row's end
+        end, skipped = gp(), gp()
+        MOV(end, frame.first)
+        ADD(end, frame.n_keys)
+        MOV(skipped, frame.seg_step)
+        SUB(skipped, 1)
+        SHL(skipped, LOG2_SEGMENT)
+        ADD(skipped, later)
+        CMP(later, end)
+        CMOVAE(later, skipped)
+        CMP(later, frame.row_last)
+        CMOVA(later, key)
+        block_row_address(frame, later, frame.v_head, ahead)
         run_length(key, keys_left, run)
         ADD(key, run)
         SUB(keys_left, run)
@@ -660,6 +686,9 @@ def emit_pv_tile(heads, chunks, masked, frame):
                 else:
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
+            for i in range(PV_PREFETCH_LINES):
+                PREFETCHT1([ahead + i * CACHE_LINE])
+            ADD(ahead, PV_PREFETCH_LINES * CACHE_LINE)
             ADD(probs, FLOAT)
             ADD(values, hd4)
             DEC(run)

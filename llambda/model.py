@@ -164,8 +164,13 @@ class TransformerModel:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            plan = self._plan(mb, hb, self._whole_heads(mb, int(self.positions[:m].max()) + 1))
+            keys = int(self.positions[:m].max()) + 1
+            plan = self._plan(mb, hb, self._whole_heads(mb, keys))
             self.thread_choice.run(self.pool, plan.plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
+            if mb > 1 and self._whole_heads(1, keys + 1):
+                # a prompt this long decodes on that variant next: make it now, in the prompt's
+                # time, rather than in its first token's
+                self._plan(1, 1, True)
         else:
             self._blocks(self.backend, self.linear, mb)
             self._head(self.backend, self.linear, hb)

@@ -279,19 +279,21 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
     model_path = convert.ensure_converted(gguf)
     engines = [f"llambda:{t}" for t in SWEEP_KV_TYPES] + (["llama.cpp"] if _have_llamacpp() else [])
     same_page_cache(gguf, model_path)
-    rows = []
-    for ctx in SWEEP_CONTEXTS:
-        row = dict(context=ctx)
-        for e in engines:
-            runs = [_run_child(e, model_path, gguf, threads, ctx + SWEEP_TOKENS + 8, (ctx,), SWEEP_TOKENS)
-                    for _ in range(repeats)]
-            row[e] = statistics.median(SWEEP_TOKENS / r["decode_s"] for r in runs)
-        rows.append(row)
-        print(f"[bench] context {ctx} done", file=sys.stderr, flush=True)
+    # every context in each round, so each row's median and the fractions of the shortest
+    # context's speed mix the same minutes of a shared host
+    speeds = {(ctx, e): [] for ctx in SWEEP_CONTEXTS for e in engines}
+    for rep in range(repeats):
+        for ctx in SWEEP_CONTEXTS:
+            for e in engines:
+                run = _run_child(e, model_path, gguf, threads, ctx + SWEEP_TOKENS + 8, (ctx,), SWEEP_TOKENS)
+                speeds[(ctx, e)].append(SWEEP_TOKENS / run["decode_s"])
+            print(f"[bench] round {rep + 1}/{repeats}: context {ctx} done", file=sys.stderr, flush=True)
+    rows = [dict(context=ctx, **{e: statistics.median(speeds[(ctx, e)]) for e in engines}) for ctx in SWEEP_CONTEXTS]
     short = rows[0]
     names = [e.replace("llambda:", "llambda ") for e in engines]
     lines = [f"Decode tok/s after a prompt of N tokens ({SWEEP_TOKENS} tokens decoded), {threads} thread(s), "
-             f"median of {repeats}; (x) = the fraction of the same engine's speed after {short['context']}. "
+             f"median of {repeats} rounds of every context; (x) = the fraction of the same engine's speed after "
+             f"{short['context']}. "
              + PAGE_CACHE_NOTE, "",
              "| context | " + " | ".join(names) + (" | f16 / llama.cpp |" if "llama.cpp" in engines else " |"),
              "|" + "---|" * (1 + len(engines) + ("llama.cpp" in engines))]

@@ -522,12 +522,29 @@ def emit_query_quants(heads, frame):
             JNZ(blocks.begin)
 
 
+def attended_ahead(frame, ahead, key):
+    """``ahead``, a key some way past ``key``, as a prefetch counts it: past the segment's end
+    it continues in the next segment this call attends (seg_step segments on: a split decode
+    step leaves the ones between to the other threads), and past the row's last key it is
+    ``key`` itself (nothing ahead to ask for)."""
+    end, later = gp(), gp()
+    MOV(end, frame.first)
+    ADD(end, frame.n_keys)                           # the first key past the segment
+    MOV(later, frame.seg_step)
+    SUB(later, 1)
+    SHL(later, LOG2_SEGMENT)
+    ADD(later, ahead)
+    CMP(ahead, end)
+    CMOVAE(ahead, later)
+    CMP(ahead, frame.row_last)
+    CMOVA(ahead, key)
+
+
 def prefetch_targets(frame, key):
     """(V tile of key's block, K tile PREFETCH_BLOCKS blocks on, or this block's when the row
-    ends sooner): what tile_scores asks for while it computes this block's scores. Past the
-    segment's end, "on" continues in the next segment this call attends (seg_step segments
-    on: a split decode step leaves the ones between to the other threads), so a segment's
-    first tiles are on their way when it starts."""
+    ends sooner): what tile_scores asks for while it computes this block's scores. "On" as
+    attended_ahead counts it, so a segment's first tiles are on their way when it starts.
+    The V tile only in the segment's first KEY_BLOCK keys: P V asks for the later ones."""
     block, v_tile, k_tile = gp(), gp(), gp()
     MOV(block, key)
     AND(block, -KV_BLOCK)
@@ -536,17 +553,7 @@ def prefetch_targets(frame, key):
     MOV(into, block)
     SUB(into, frame.first)                           # keys into the segment (negative: its first block)
     ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
-    end, later = gp(), gp()
-    MOV(end, frame.first)
-    ADD(end, frame.n_keys)                           # the first key past the segment
-    MOV(later, frame.seg_step)
-    SUB(later, 1)
-    SHL(later, LOG2_SEGMENT)
-    ADD(later, block)
-    CMP(block, end)
-    CMOVAE(block, later)
-    CMP(block, frame.row_last)
-    CMOVA(block, key)
+    attended_ahead(frame, block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.k_head, k_tile)
     CMP(into, KEY_BLOCK)                             # later V blocks: P V asks for them (emit_pv_tile)
@@ -633,19 +640,9 @@ def emit_pv_tile(heads, chunks, masked, frame):
         elif frame.half:
             SHR(offset, 1)                           # out's f32 columns -> the arena's halves
         ADD(values, offset)
-        later, ahead = gp(), gp()                    # key's row KEY_BLOCK keys on (as prefetch_targets
-        LEA(later, [key + KEY_BLOCK])                # counts them), or this one's past the row's end
-        end, skipped = gp(), gp()
-        MOV(end, frame.first)
-        ADD(end, frame.n_keys)
-        MOV(skipped, frame.seg_step)
-        SUB(skipped, 1)
-        SHL(skipped, LOG2_SEGMENT)
-        ADD(skipped, later)
-        CMP(later, end)
-        CMOVAE(later, skipped)
-        CMP(later, frame.row_last)
-        CMOVA(later, key)
+        later, ahead = gp(), gp()                    # the V row KEY_BLOCK keys on
+        LEA(later, [key + KEY_BLOCK])
+        attended_ahead(frame, later, key)
         block_row_address(frame, later, frame.v_head, ahead)
         run_length(key, keys_left, run)
         ADD(key, run)

@@ -407,10 +407,12 @@ def _prompt(model):
 def _prompt_ids(model, prompt, tokens):
     """``prompt`` (token ids) checked, its last ids only when the context must also hold
     the warm-up and the ``tokens`` steps (at least one id, at most n_ctx - 1 - WARMUP_STEPS)."""
+    from .errors import UserError
+    from .inputs import check_token_ids
     try:
-        ids = [int(i) for i in prompt]
-    except (TypeError, ValueError):
-        raise ValueError(f"prompt: expected token ids, got {prompt!r:.60}") from None
+        ids = check_token_ids(prompt, "prompt: token ids")
+    except UserError as error:
+        raise ValueError(str(error)) from None
     if not ids:
         raise ValueError("prompt: expected at least one token id")
     bad = [i for i in ids if not 0 <= i < model.config.vocab_size]

@@ -249,7 +249,8 @@ def test_decode_is_profiled_after_the_prompt_given(tiny_model):
     assert report.decode.positions == (N_CTX - 4, N_CTX - 1)          # the context, filled
     text = model.profile(tokens=2, prefill=0, prompt="hello world")
     assert text.decode.positions[0] == len(model.tokenize("hello world")) + WARMUP_STEPS
-    for bad, message in (([], "at least one"), ([SHAPE["vocab_size"]], "outside"), ([1, "x"], "token ids")):
+    for bad, message in (([], "at least one"), ([SHAPE["vocab_size"]], "outside"), ([1, "x"], "token ids"),
+                         ([1.5], "token ids"), ([True], "token ids"), (["3"], "token ids")):
         with pytest.raises(ValueError, match=f"prompt: .*{message}"):
             model.profile(tokens=2, prompt=bad)
 

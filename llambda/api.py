@@ -339,7 +339,8 @@ def _check_kinds_run_here(path, weights, backend):
     from llambda.runtime.native import gemm_bf16
     pairs = [name for name, w in weights.items() if getattr(w, "kind", None) == "bf16_pairs"]
     if pairs and not gemm_bf16.bf16_supported():
-        raise UserError(f"{path}: {pairs[0]} (and {len(pairs) - 1} more) hold BF16 weights packed for "
+        more = f" (and {len(pairs) - 1} more)" if len(pairs) > 1 else ""
+        raise UserError(f"{path}: {pairs[0]}{more} hold BF16 weights packed for "
                         f"vdpbf16ps (kind bf16_pairs), which this CPU lacks ({gemm_bf16.CPU_FLAG}); "
                         f"convert the GGUF again on this machine, or with LLAMBDA_BF16_MATH=f32")
 

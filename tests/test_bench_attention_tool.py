@@ -14,3 +14,12 @@ def test_bench_attention_reports_every_kernel(capsys, monkeypatch):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llb_attention_paged_")]
     assert len(rows) == 6
     assert all(" ns, " in row and " GB/s |" in row for row in rows)
+
+
+def test_bench_attention_split_calls_match_the_reference(capsys, monkeypatch):
+    """--step: each layer as a decode step's threads split it (segments seg0 mod step, then the
+    combine); the tool checks the combined output against the reference before timing."""
+    monkeypatch.setattr(bench_attention, "BUDGET_S", 0.01)
+    bench_attention.main(["--kv", "f16,q8_0", "--keys", "600", "--layers", "1", "--rounds", "1", "--step", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llb_attention_paged_")]
+    assert len(rows) == 2

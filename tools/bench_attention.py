@@ -3,12 +3,16 @@
 
     tools/bench_attention.py [--kv f16,q8_0,f32] [--keys 1024,4096] [--layers 1|30]
                              [--isa avx2|avx512] [--lib A.so --lib B.so] [--shuffle] [--rounds 3]
+                             [--step N]
 
 SmolLM2-135M's attention shape (9 query heads on 3 KV heads of head_dim 64), scale 1/8.
 ``--layers N`` makes N layers of arenas (as the KV pool lays them out) and calls them in turn, as a decode step walks
 its layers: with 30 the cache comes from memory (what long-context decode sees), with 1 it
 stays near the core once warm (the arithmetic's cost). Block tables are sequential, as one
-sequence's blocks come from a fresh pool; ``--shuffle`` permutes them.
+sequence's blocks come from a fresh pool; ``--shuffle`` permutes them. ``--step N`` calls
+each layer as a decode step's threads split it (runtime/recorder.py): N calls of the
+segments s = seg0 (mod N), each writing partial records, then attention_combine, all timed
+and the combined output checked.
 
 Each figure is the best of ``--rounds`` rounds of the mean time per call, reported as ns
 per (key, KV head) and as GB/s of K and V bytes read. The first call's output is checked
@@ -62,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--lib", action="append", help="kernel library .so to time (repeatable)")
     ap.add_argument("--shuffle", action="store_true", help="blocks in a random order")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--step", type=int, default=0, help="split calls: segments seg0 (mod STEP), then the combine")
     args = ap.parse_args(argv)
 
     from llambda.runtime import buffers, library
@@ -81,9 +86,16 @@ def main(argv=None):
             out = buffers.zeros(q.shape)
             scratch = paged.paged_attention_scratch(keys, HEAD_DIM)
             positions, row_seq = buffers.aligned_copy(np.array([keys - 1], np.int32)), buffers.zeros(1, np.int32)
-            calls = [paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, isa=args.isa)
+            calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, isa=args.isa)]
                      for k, v, t in sets]
-            symbol = calls[0][0]
+            symbol = calls[0][0][0]
+            if args.step:
+                partials = paged.attention_partials(1, N_HEAD, HEAD_DIM, sets[0][2])
+                calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch,
+                                                     partials=partials, segments=(seg0, args.step), isa=args.isa)
+                          for seg0 in range(args.step)]
+                         + [paged.attention_combine_call(partials, positions, t, out)]
+                         for k, v, t in sets]
             # the reference (over q8_0 arenas it scores q's q8_0 rows, as the kernels do), and
             # for q8_0 also over the dequantized arenas: a library from before q8_0's int8
             # scores scored the unquantized q
@@ -98,10 +110,18 @@ def main(argv=None):
                 ref.attention_paged(q, k_in, v_in, positions, row_seq, t, SCALE, want, None)
             fns = []
             for dll in dlls:
-                fn = getattr(dll, symbol)
-                fn.restype = None
-                fn.argtypes = [ctypes.c_size_t] * 13 + [ctypes.c_float] * 2
-                fn(*calls[0][1])
+                symbols = {}
+                for name, arguments in calls[0]:
+                    symbols[name] = getattr(dll, name)
+                    symbols[name].restype = None
+                    symbols[name].argtypes = [ctypes.c_float if isinstance(a, float) else ctypes.c_size_t
+                                              for a in arguments]
+                layers = [[(symbols[name], arguments) for name, arguments in layer] for layer in calls]
+
+                def fn(layer, layers=layers):
+                    for f, arguments in layers[layer]:
+                        f(*arguments)
+                fn(0)
                 error = min(float(np.abs(out - want).max()) for want in wants)
                 if not error <= 1e-4:
                     raise SystemExit(f"{symbol} in {dll._name}: max |out - reference| = {error:.3g}")
@@ -111,7 +131,7 @@ def main(argv=None):
                 for i, fn in enumerate(fns):
                     n, t0 = 0, time.perf_counter()
                     while True:
-                        fn(*calls[n % len(calls)][1])
+                        fn(n % len(calls))
                         n += 1
                         elapsed = time.perf_counter() - t0
                         if elapsed > BUDGET_S and n >= len(calls):

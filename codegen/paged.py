@@ -28,8 +28,8 @@ partials [m, n_segments, n_head, rec] for ``attention_combine`` (runtime/recorde
 splits a decode step's keys between threads this way). While a block's scores are
 computed the kernel prefetches the K tile PREFETCH_BLOCKS blocks on (and, for the
 segment's first KEY_BLOCK keys, the block's V rows), a few lines per step of the dimension
-loop; P V prefetches the V rows KEY_BLOCK keys on, a few lines per key: a long cache does
-not fit the caches near the core, its blocks sit anywhere, and each pass asks for what it
+loop; P V prefetches the V rows KEY_BLOCK keys on, per key the lines its tile reads: a long
+cache does not fit the caches near the core, its blocks sit anywhere, and each pass asks for what it
 reads next rather than the scores pass for both.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
@@ -229,11 +229,19 @@ def key_vector(frame, out, at):
 
 CACHE_LINE = 64
 PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
-# P V asks for the V rows KEY_BLOCK keys on, this many lines per key: a block's V rows of one
-# KV head (16 rows of f16 at head_dim 64: 32 lines) while it multiplies this block's. The
-# scores pass asks for a segment's first KEY_BLOCK keys' V only, so each pass of a segment
-# spreads its own reads instead of the scores pass asking for K and V at once.
-PV_PREFETCH_LINES = 2
+# P V asks for the V rows KEY_BLOCK keys on while it multiplies this block's: each pass of a
+# tile asks, per key, for the lines of that key's row the tile itself reads (pv_prefetch_lines),
+# so the passes of a row's columns together ask for the row once. The scores pass asks for a
+# segment's first KEY_BLOCK keys' V only, so each pass of a segment spreads its own reads
+# instead of the scores pass asking for K and V at once.
+
+
+def pv_prefetch_lines(frame, chunks):
+    """Lines of a V row one P V tile of ``chunks`` columns reads: its bytes over a line, at
+    least one (a q8_0 tile of 32 quants reads half a line; the row's scales sit after its
+    quants, in the line the next row starts in, which the next key's prefetch asks for)."""
+    element = 1 if frame.q8 else 2 if frame.half else 4
+    return max(1, chunks * frame.lanes * element // CACHE_LINE)
 
 
 def prefetch_share(pointers, lines):
@@ -644,6 +652,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
         LEA(later, [key + KEY_BLOCK])
         attended_ahead(frame, later, key)
         block_row_address(frame, later, frame.v_head, ahead)
+        ADD(ahead, offset)                           # this tile's columns of that row
         run_length(key, keys_left, run)
         ADD(key, run)
         SUB(keys_left, run)
@@ -683,9 +692,9 @@ def emit_pv_tile(heads, chunks, masked, frame):
                 else:
                     for h in range(heads):
                         VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
-            for i in range(PV_PREFETCH_LINES):
+            for i in range(pv_prefetch_lines(frame, chunks)):
                 PREFETCHT1([ahead + i * CACHE_LINE])
-            ADD(ahead, PV_PREFETCH_LINES * CACHE_LINE)
+            ADD(ahead, hd4)
             ADD(probs, FLOAT)
             ADD(values, hd4)
             DEC(run)

@@ -100,8 +100,11 @@ def probe():
     x = buffers.aligned_copy(rng.standard_normal((m, k)).astype(np.float32))
     xb = buffers.zeros((m, 2 * layout_bf16.k_pairs(k)), np.uint16)
     out = buffers.zeros((m, n), np.float32)
-    exact = gemm.gemm_bf16_call(x, layout_float.pack("BF16", raw, n, k), out)
-    pairs = gemm_bf16.gemm_bf16_pairs_call(xb, layout_bf16.pack("BF16", raw, n, k), out)
+    # The calls hold bare addresses: the packed weights must outlive them, so they get names.
+    w_exact = layout_float.pack("BF16", raw, n, k)
+    w_pairs = layout_bf16.pack("BF16", raw, n, k)
+    exact = gemm.gemm_bf16_call(x, w_exact, out)
+    pairs = gemm_bf16.gemm_bf16_pairs_call(xb, w_pairs, out)
     rounding = gemm_bf16.round_bf16_calls(x, xb, [(0, m)])[0]
 
     def best(calls):
@@ -114,4 +117,6 @@ def probe():
             times.append(time.perf_counter() - t)
         return 2 * m * n * k / min(times) / 1e9
 
-    return {"f32": round(best([exact]), 1), "bf16": round(best([rounding, pairs]), 1)}
+    rates = {"f32": round(best([exact]), 1), "bf16": round(best([rounding, pairs]), 1)}
+    del w_exact, w_pairs                                    # only now may the panels go
+    return rates

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, LOAD, Loop, Label, LABEL, RETURN,
                             LocalVariable, JA, JBE, AND, VMOVAPS, VPMOVZXWD, VPSLLD, VXORPS, VMOVUPS, VMASKMOVPS, VBROADCASTSS, VFMADD231PS, VCVTPH2PS,
-                            VZEROUPPER, PREFETCHT0, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
+                            VZEROUPPER, PREFETCHT0, PREFETCHT1, MOV, LEA, ADD, SUB, SHL, IMUL, CMP, TEST, JB, JAE, JNE, JZ, JNZ, JMP)
 
 from .common import Kernel, function, symbol, tail_mask
 from .contract import PANEL as NR
@@ -111,6 +111,12 @@ EDGE_ROWS = 6
 CONVERT_MIN_ROWS = 32
 CHUNK_K = 1024
 CHUNK_F32 = False
+# While a converted block's row tiles compute, they ask L2 for the next block's weights
+# (NEXT_BLOCK_LINES lines per unrolled k step, up to the next block's end), so its
+# widening finds them near instead of waiting on memory: without it every block's convert
+# streamed from memory while no FMA ran. Two lines a step covers a block in 4 row tiles of
+# 8 (m >= CONVERT_MIN_ROWS) when k <= CHUNK_K.
+NEXT_BLOCK_LINES = 2
 
 # Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
 UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
@@ -218,8 +224,9 @@ def load_weights(regs, address, weight_type, lanes):
             widen(reg, at, weight_type)
 
 
-def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
-    """acc[row][panel][half] += A[row, k] * W[panel, k, half] for ``count`` k steps, k in order."""
+def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True, ahead=None):
+    """acc[row][panel][half] += A[row, k] * W[panel, k, half] for ``count`` k steps, k in order.
+    ``ahead``: a NextBlock whose lines each unrolled step asks L2 for."""
     rows, n_panels, halves = len(acc), len(acc[0]), len(acc[0][0])
     esize = WEIGHT_BYTES[weight_type]
     step_bytes = NR * esize
@@ -259,7 +266,19 @@ def emit_k_loop(acc, a_rows, panels, count, weight_type, lanes, prefetch=True):
         a_rows.advance(4 * steps)
         panels.advance(step_bytes * steps)
 
-    emit_k_loops(count, k_step, advance, "k")
+    if ahead is None:
+        emit_k_loops(count, k_step, advance, "k")
+        return
+    pointer = GeneralPurposeRegister64()
+    MOV(pointer, ahead.at)
+
+    def k_step_asking(u):
+        if u == 0:
+            ahead.ask(pointer)
+        k_step(u)
+
+    emit_k_loops(count, k_step_asking, advance, "k")
+    MOV(ahead.at, pointer)
 
 
 def emit_k_loops(count, k_step, advance, name):
@@ -334,10 +353,10 @@ def make_accumulators(rows, n_panels, lanes):
 
 
 def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None,
-              column_bytes=0, owns_w_panel=False, prefetch=True):
+              column_bytes=0, owns_w_panel=False, prefetch=True, ahead=None):
     """One tile: rows x n_panels panels over the call's k block (init, k loop, store), at
     ``column_bytes`` right of out_row; ``masks()`` emits the two ymm lane masks of an edge
-    tile; ``owns_w_panel``: advance w_panel itself along k."""
+    tile; ``owns_w_panel``: advance w_panel itself along k; ``ahead``: see emit_k_loop."""
     acc = make_accumulators(rows, n_panels, lanes)
     outs = RowPointers(out_row, g.ldo, rows)
     emit_init(acc, outs, src, lanes, column_bytes, masks and masks())
@@ -346,7 +365,7 @@ def emit_tile(rows, n_panels, lanes, a_row, w_panel, out_row, g, src, masks=None
     panels = PanelPointers(w_panel, stride, n_panels, owned=owns_w_panel)
     count = GeneralPurposeRegister64()
     src.load_count(count)
-    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch and prefetch)
+    emit_k_loop(acc, a_rows, panels, count, src.weight_type, lanes, src.prefetch and prefetch, ahead)
     outs = RowPointers(out_row, g.ldo, rows)
     emit_store(acc, outs, lanes, column_bytes, masks and masks())
 
@@ -481,6 +500,42 @@ class ConvertFrame:
         AND(reg, -64)
 
 
+class NextBlock:
+    """The next block's weights, asked for while this block's tiles run: the next line to ask
+    for and the block's end, in stack slots (a tile keeps the first in a register)."""
+
+    def __init__(self):
+        self.at, self.end = LocalVariable(8), LocalVariable(8)
+
+    def start(self, g, args, block_panels, weight_type):
+        """at, end = the block after g.w's (its panels follow this block's in memory), from
+        this block's own start when its k is more than one chunk: the tiles of its first chunk
+        then ask for the later chunks' lines too (a block is its panels, one after another)."""
+        block_bytes, reg, kc = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
+        LOAD.ARGUMENT(block_bytes, args["panel_stride"])
+        IMUL(block_bytes, block_bytes, block_panels * WEIGHT_BYTES[weight_type])
+        MOV(reg, g.w)
+        LOAD.ARGUMENT(kc, args["kc"])
+        several_chunks = _label("several_chunks")
+        CMP(kc, CHUNK_K)
+        JA(several_chunks)
+        ADD(reg, block_bytes)
+        LABEL(several_chunks)
+        MOV(self.at, reg)
+        LEA(reg, [g.w + block_bytes * 2])
+        MOV(self.end, reg)
+
+    def ask(self, pointer):
+        """PREFETCHT1 NEXT_BLOCK_LINES lines at pointer (then advanced), unless past the end."""
+        done = _label("next_block_asked")
+        CMP(pointer, self.end)
+        JAE(done)
+        for line in range(NEXT_BLOCK_LINES):
+            PREFETCHT1([pointer + 64 * line])
+        ADD(pointer, 64 * NEXT_BLOCK_LINES)
+        LABEL(done)
+
+
 def emit_convert(frame, args, n_panels, count, weight_type="f16"):
     """scratch[p][kk][:] = f32(W[p][k0 + kk][:]) for kk < count (consumed), p < n_panels."""
     src, dst, stride = GeneralPurposeRegister64(), GeneralPurposeRegister64(), GeneralPurposeRegister64()
@@ -518,7 +573,7 @@ def emit_convert(frame, args, n_panels, count, weight_type="f16"):
     LABEL(last)
 
 
-def emit_block_converted(g, args, t, frame, weight_type="f16"):
+def emit_block_converted(g, args, t, frame, weight_type="f16", ahead=None):
     """One whole block, CHUNK_K k steps at a time, every row tile running over a chunk
     before the next (continuing each chain after the first), so every row tile reuses the
     chunk's weights from cache. f16 and bf16: each chunk is first widened into the stack
@@ -536,6 +591,8 @@ def emit_block_converted(g, args, t, frame, weight_type="f16"):
     MOV(frame.chunk_acc, accumulate)
     src = Source(args, "f32", count=frame.chunk_len, accumulate=frame.chunk_acc,
                  panel_bytes=frame.panel_bytes if converts else None, prefetch=not converts)
+    if ahead is not None:
+        ahead.start(g, args, t.block_panels, weight_type)
 
     chunks = Loop(_unique("chunks"))
     with chunks:
@@ -556,7 +613,7 @@ def emit_block_converted(g, args, t, frame, weight_type="f16"):
             else:
                 MOV(panel, frame.chunk_w)
             emit_tile(rows, t.block_panels, t.lanes, a_row, panel, out_row, g, src, owns_w_panel=True,
-                      prefetch=prefetch)
+                      prefetch=prefetch, ahead=ahead)
 
         emit_rows(g, args, t.full_rows, emit_one, a_start=frame.chunk_a, streams=not converts)
         MOV(frame.chunk_acc, 1)
@@ -590,6 +647,7 @@ def emit_gemm(isa, weight_type):
         # rest are re-read from the stack where needed (GP registers are short).
         converts = isa == "avx512" and (weight_type != "f32" or CHUNK_F32)
         frame = ConvertFrame(t.block_panels, weight_type) if converts else None
+        ahead = NextBlock() if converts and NEXT_BLOCK_LINES else None
         g = Globals(in_frame=converts)
         g.load(args)
         block_columns = t.block_panels * NR
@@ -603,7 +661,7 @@ def emit_gemm(isa, weight_type):
                 LOAD.ARGUMENT(m, args["m"])
                 CMP(m, CONVERT_MIN_ROWS)
                 JB(few_rows)
-                emit_block_converted(g, args, t, frame, weight_type)
+                emit_block_converted(g, args, t, frame, weight_type, ahead)
                 JMP(block_done)
                 LABEL(few_rows)
             emit_block(g, args, weight_type, t)

@@ -20,7 +20,10 @@ count is first tried:
   neighbour becomes the current count and the interval starts again from FIRST_INTERVAL;
   if not, the interval doubles, up to MAX_INTERVAL, so a count that keeps losing is rarely
   tried; an exploration whose first FIRST_LOOK runs are slower by more than HOPELESS stops
-  there (one core for a compute-bound prefill costs twice the time: that is seen at once).
+  there (one core for a compute-bound prefill costs twice the time: that is seen at once),
+  and one whose first counted run alone is slower by more than AT_A_GLANCE stops after it
+  (one core for a decode step deep into a long context takes 1.8 times as long: each run
+  of such a try is a slow token of the reply).
 
 Means of many runs, not a moving average: on a busy machine a run's time is bimodal (a step
 that waited for a descheduled worker takes a time slice longer), and a short average would
@@ -66,6 +69,7 @@ MAX_INTERVAL = 1024     # ... and at most this many after losing explorations
 MARGIN = 0.03           # the other count must be this much faster to take over
 FIRST_LOOK = 2          # runs after which a hopeless exploration stops
 HOPELESS = 0.25         # ... if their mean is this much slower than the current count's
+AT_A_GLANCE = 0.5       # ... or after one, if it alone is this much slower
 BUSY_ELSEWHERE = 0.5    # more threads are not tried while the cores they need were this busy
 START_BUSY = 0.9        # a new plan that is not compute-bound starts on fewer threads when the
 START_TICKS = 20        # ... cores they leave were this busy over this many ticks since the start
@@ -166,8 +170,7 @@ class ThreadChoice:
                 times.skipped = True
                 return
             times.samples.append(seconds)
-            if len(times.samples) == SAMPLES or (len(times.samples) == FIRST_LOOK and
-                                                 _mean(times.samples) > (1 + HOPELESS) * _mean(times.recent)):
+            if len(times.samples) == SAMPLES or self._hopeless(times):
                 self._decide(times)
             return
         if threads != times.current:
@@ -229,6 +232,13 @@ class ThreadChoice:
         share = cpu_usage.others_share(self._start, now)
         ticks = sum(now[w][1] - self._start[w][1] for w in now) if share is not None else 0
         return ticks >= START_TICKS and share >= START_BUSY
+
+    @staticmethod
+    def _hopeless(times):
+        """Whether the exploration's runs so far already show it slower, clearly enough to stop."""
+        slower = _mean(times.samples) / _mean(times.recent) - 1
+        return ((len(times.samples) == 1 and slower > AT_A_GLANCE)
+                or (len(times.samples) == FIRST_LOOK and slower > HOPELESS))
 
     def _decide(self, times):
         if len(times.samples) == SAMPLES and _mean(times.samples) < (1 - MARGIN) * _mean(times.recent):

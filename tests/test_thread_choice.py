@@ -7,8 +7,8 @@ import pytest
 from llambda.runtime import buffers, thread_choice
 from llambda.runtime.plan import Plan, chunk_ranges
 from llambda.runtime.pool import WorkerPool
-from llambda.runtime.thread_choice import (FIRST_INTERVAL, FIRST_LOOK, MAX_INTERVAL, SAMPLES, WARMUP_RUNS,
-                                           ThreadChoice, counts)
+from llambda.runtime.thread_choice import (AT_A_GLANCE, FIRST_INTERVAL, FIRST_LOOK, HOPELESS, MAX_INTERVAL, SAMPLES,
+                                           WARMUP_RUNS, ThreadChoice, counts)
 
 from test_pool import within_timeout
 
@@ -175,8 +175,18 @@ def test_a_shape_faster_on_all_threads_stays_there_and_explores_ever_more_rarely
     gaps = np.diff(starts)
     assert starts[0] == WARMUP_RUNS and gaps[0] > FIRST_INTERVAL
     assert all(np.diff(gaps[:4]) > 0) and max(gaps) <= MAX_INTERVAL + 1 + SAMPLES   # doubling, capped
-    # a hopeless exploration stops after FIRST_LOOK counted runs: one core for a compute-bound plan
-    assert pool.log.count(1) == (1 + FIRST_LOOK) * len(starts)
+    # an exploration whose first counted run is twice as slow stops there (after the transition)
+    assert pool.log.count(1) == 2 * len(starts)
+
+
+@pytest.mark.parametrize("slower, counted", [(1.3, FIRST_LOOK), (1.45, FIRST_LOOK), (1.6, 1), (1.2, SAMPLES)])
+def test_a_hopeless_exploration_stops_after_as_few_runs_as_show_it(slower, counted):
+    """Slower by more than AT_A_GLANCE: one counted run; by more than HOPELESS: FIRST_LOOK;
+    less: all SAMPLES (and it loses: the margin goes the other way)."""
+    assert 1 + HOPELESS < 1.3 and 1.45 < 1 + AT_A_GLANCE < 1.6
+    choice, plan, pool = drive(lambda k, run: {2: 4e-3, 1: 4e-3 * slower}[k], WARMUP_RUNS + 1 + SAMPLES + 4)
+    assert choice.current(plan) == 2
+    assert pool.log[:WARMUP_RUNS + 1 + counted + 1] == [2] * WARMUP_RUNS + [1] * (1 + counted) + [2]
 
 
 def test_a_change_of_conditions_is_followed_both_ways():

@@ -114,8 +114,9 @@ CHUNK_F32 = False
 # While a converted block's row tiles compute, they ask L2 for the next block's weights
 # (NEXT_BLOCK_LINES lines per unrolled k step, up to the next block's end), so its
 # widening finds them near instead of waiting on memory: without it every block's convert
-# streamed from memory while no FMA ran. Two lines a step covers a block in 4 row tiles of
-# 8 (m >= CONVERT_MIN_ROWS) when k <= CHUNK_K.
+# streamed from memory while no FMA ran. Two lines an unrolled step (4 k steps) ask for a
+# 2-byte block (3 panels x k x 32 bytes) within its first 3 row tiles, of the 4 or more that
+# m >= CONVERT_MIN_ROWS gives.
 NEXT_BLOCK_LINES = 2
 
 # Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).

@@ -38,6 +38,12 @@ from .kv_pool import KVPool
 # Rows per step (prompt tokens of a prefill chunk and decode rows): big enough for GEMM
 # efficiency, small enough that the activation buffers stay in L2.
 DEFAULT_BATCH = 128
+# Rows per step when the blocks' weights are float (f32, f16, bf16): they are 2-8 bytes a
+# weight against the quantized kinds' 0.3-1, so a prefill step is bound by streaming
+# them from memory (each float GEMM block waits on its weights, README "Float models");
+# twice the rows read each weight byte half as often. Quantized models keep 128 rows: the
+# larger buffers would raise their peak RSS (issue 11's part 4) for less gain.
+FLOAT_BATCH = 256
 # Head rows a step can compute at least (all-logits runs go this many rows at a time)
 MIN_HEAD_ROWS = 16
 # A step of at least this many rows multiplies each weight byte it reads this many times:
@@ -47,6 +53,15 @@ COMPUTE_BOUND_ROWS = 32
 # Step shapes are padded up to one of these (then to the buffers' size): a plan per bucket,
 # and at most a third of a step's rows wasted on padding.
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def default_batch(layers):
+    """Rows per step for these blocks (``_LayerWeights``): FLOAT_BATCH when every projection
+    weight of the blocks is a float kind, DEFAULT_BATCH otherwise."""
+    weights = [w for layer in layers for w in vars(layer).values() if isinstance(w, layouts.PackedWeight)]
+    if weights and all(traits(w.kind).activation != "q8" for w in weights):
+        return FLOAT_BATCH
+    return DEFAULT_BATCH
 
 
 def bucket(n, limit):
@@ -62,15 +77,20 @@ HEAD_TAG = "lm_head"
 
 
 class TransformerModel:
-    def __init__(self, config, weights, backend, n_ctx, max_batch=DEFAULT_BATCH, threads=None, max_seqs=1,
+    def __init__(self, config, weights, backend, n_ctx, max_batch=None, threads=None, max_seqs=1,
                  kv_blocks=None, kv_type=None, source=None):
         """source: the model file the weights are mapped from; with it, recorded plans are
-        kept on disk (runtime/plan_cache.py) and read back by later loads of that file."""
+        kept on disk (runtime/plan_cache.py) and read back by later loads of that file.
+        max_batch: rows per step (default: ``default_batch`` of the blocks' weights)."""
         c = self.config = config
         self.source = source
         self.arch = c.architecture
         self.backend = backend
         self.n_ctx = n_ctx
+        self.layers = [_LayerWeights(weights, i, self.arch.layer_tensors(c), self.arch.biases)
+                       for i in range(c.n_layer)]
+        if max_batch is None:
+            max_batch = default_batch(self.layers)
         # rows per step: a prefill chunk and the decode rows of the running sequences
         self.max_batch = max_batch = max(1, min(max_batch, n_ctx) if max_seqs == 1 else max_batch)
         self.max_seqs = max_seqs
@@ -79,8 +99,6 @@ class TransformerModel:
         self.embedding = weights["token_embd.weight"]
         self.lm_head = self.embedding if c.tied_embeddings else weights[LM_HEAD]
         self.output_norm = weights["output_norm.weight"]
-        self.layers = [_LayerWeights(weights, i, self.arch.layer_tensors(c), self.arch.biases)
-                       for i in range(c.n_layer)]
 
         q_dim, kv_dim = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
         # Activations (one row per row of the current step)

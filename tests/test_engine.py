@@ -26,7 +26,7 @@ TIMEOUT_S = 120
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("engine") / f"tiny-{request.param}.gguf"
     write_random_llama(path, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=VOCAB,
-                       tensor_type=request.param, n_ctx=512, seed=11)
+                       tensor_type=request.param, n_ctx=1024, seed=11)
     return path
 
 
@@ -145,7 +145,8 @@ def test_leaving_generate_early_cancels_the_sequence(shared):
 def test_a_long_prompt_does_not_freeze_running_streams(tiny):
     """Chunked prefill: while a prompt of several chunks is prefilled, a running stream still
     gets a token per step."""
-    with llambda.load(tiny, n_ctx=512, parallel=2, progress=False) as model:
+    # three steps of rows: 384 tokens, or 768 for a float model's larger steps (model.FLOAT_BATCH)
+    with llambda.load(tiny, n_ctx=1024, parallel=2, progress=False) as model:
         stream = model.submit(prompt(5, seed=1), max_tokens=400, seed=1, ignore_eos=True)
         times = []
         def consume():

@@ -152,12 +152,15 @@ def _have_llamacpp():
 
 
 def _model_costs(model_path):
-    """Bytes of weights read per decoded token, and matrix FLOPs per prompt token
-    (the LM head runs once per prompt, not per token), from the file."""
+    """Bytes of weights read per decoded token, matrix FLOPs per prompt token (the LM head
+    runs once per prompt, not per token), from the file, and whether every matrix the
+    prompt's FLOPs run on is float (its GEMMs run on FMAs, not the int8 kernels)."""
     from .convert import load_model_file
+    from llambda.runtime.kinds import traits
     from llambda.runtime.layouts import PackedWeight
     config, _, weights = load_model_file(model_path)
     read = flops = 0
+    float_matrices = True
     for name, w in weights.items():
         if not isinstance(w, PackedWeight):
             read += w.nbytes
@@ -168,7 +171,8 @@ def _model_costs(model_path):
         read += w.nbytes
         if not is_lm_head:
             flops += 2 * w.n * w.k
-    return config, read, flops
+            float_matrices = float_matrices and traits(w.kind).activation != "q8"
+    return config, read, flops, float_matrices
 
 
 def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS,
@@ -188,7 +192,7 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     if len(engines) == 1:
         print("llambda bench: llama-cpp-python is not installed (pip install -e '.[bench]'); "
               "measuring llambda only", file=sys.stderr)
-    config, bytes_per_token, flops_per_token = _model_costs(model_path)
+    config, bytes_per_token, flops_per_token, float_matrices = _model_costs(model_path)
     same_page_cache(gguf, model_path)
     from llambda.runtime.native.quant import widest_qgemm_isa
     prefill_isa = widest_qgemm_isa()                  # the int8 kernels prefill runs on
@@ -199,6 +203,11 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
                  # caches may hold part of it, which a 256 MB buffer never sees
                  bw_model={t: ceilings.read_bandwidth_gbs(t, nbytes=_probe_size(bytes_per_token)) for t in threads})
 
+    # what prefill runs on: the int8 kernels, or for a float model the FMAs (zmm when the CPU has them)
+    if float_matrices:
+        peaks["prefill"] = ("FMA zmm", peaks["fma_zmm"]) if peaks["fma_zmm"] else ("FMA ymm", peaks["fma"])
+    else:
+        peaks["prefill"] = ("INT8", peaks["int8"])
     results = {(e, t): [] for e in engines for t in threads}
     with busy_core(busy_cpu):
         for rep in range(repeats):
@@ -211,7 +220,8 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
                   ceilings=dict(fma_gflops_per_core=peaks["fma"], fma_zmm_gflops_per_core=peaks["fma_zmm"],
                                 int8_gops_per_core=peaks["int8"], int8_isa=peaks["int8_isa"],
-                                read_gbs=peaks["bw"], read_gbs_at_model_size=peaks["bw_model"]),
+                                read_gbs=peaks["bw"], read_gbs_at_model_size=peaks["bw_model"],
+                                prefill=peaks["prefill"][0]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
                   gen_tokens=gen_tokens, busy_cpu=busy_cpu,
                   n_ctx=n_ctx, rows=rows)
@@ -353,7 +363,7 @@ def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peak
             row["startup_ms"] = _stat([1000 * r["startup_s"] for r in runs])
             row["peak_rss_mb"] = _stat([r["peak_rss_mb"] for r in runs])
             decode_ceiling = peaks["bw"][t] * 1e9 / bytes_per_token
-            prefill_ceiling = peaks["int8"] * 1e9 * t / flops_per_token
+            prefill_ceiling = peaks["prefill"][1] * 1e9 * t / flops_per_token
             row["decode_pct_ceiling"] = row["decode_tok_s"]["median"] / decode_ceiling
             row["decode_pct_model_read"] = (row["decode_tok_s"]["median"] * bytes_per_token
                                             / (peaks["bw_model"][t] * 1e9))
@@ -369,7 +379,7 @@ def _markdown(report, engines, threads):
              f"Ceilings (measured): FMA {c['fma_gflops_per_core']:.0f} GFLOP/s/core with ymm"
              + (f" ({c['fma_zmm_gflops_per_core']:.0f} with zmm)" if c.get("fma_zmm_gflops_per_core") else "")
              + f", INT8 "
-             f"{c['int8_gops_per_core']:.0f} GOP/s/core ({INT8_IDIOM[c['int8_isa']]}, what prefill runs on), read "
+             f"{c['int8_gops_per_core']:.0f} GOP/s/core ({INT8_IDIOM[c['int8_isa']]}, what a quantized model's prefill runs on), read "
              + ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in c["read_gbs"].items()) + " over 256 MB, "
              + ", ".join(f"{v:.1f} ({t} thr)" for t, v in c["read_gbs_at_model_size"].items())
              + " over the model's size"
@@ -405,7 +415,8 @@ def _markdown(report, engines, threads):
             r = by[(e, t)]
             lines.append(f"- {e}, {t} thread(s): decode at {r['decode_pct_ceiling']:.0%} of the bandwidth ceiling "
                          f"({r['decode_pct_model_read']:.0%} of the read rate over the model's size), "
-                         f"prefill 512 at {r['prefill512_pct_ceiling']:.0%} of the INT8 ceiling")
+                         f"prefill 512 at {r['prefill512_pct_ceiling']:.0%} of the "
+                         f"{c.get('prefill', 'INT8')} ceiling")
     return "\n".join(lines)
 
 

@@ -42,6 +42,19 @@ def test_bench_reports_every_figure(tiny):
     assert "| decode 8 (tok/s) | 2 |" in table
     assert "| start-up to first token of 'Hi' (ms) | 1 |" in table
     assert "of the read rate over the model's size" in table and "over the model's size;" in table
+    assert parsed["ceilings"]["prefill"] == "INT8" and "of the INT8 ceiling" in table
+
+
+def test_a_float_models_prefill_is_put_against_the_fma_peak(tmp_path):
+    """F16 matrices run on FMAs: the prefill ceiling is the FMA peak (zmm where the CPU has it)."""
+    from llambda.runtime import cpu
+    path = write_random_llama(tmp_path / "tiny-f16.gguf", n_layer=1, dim=64, n_head=2, n_kv_head=1, ffn_dim=64,
+                              vocab_size=2000, tensor_type="F16", n_ctx=2048)
+    report = bench.run(str(path), threads=(1,), repeats=1, n_ctx=1024, as_json=True, out=io.StringIO(),
+                       gen_tokens=4)
+    want = "FMA zmm" if cpu.supports("avx512") else "FMA ymm"
+    assert report["ceilings"]["prefill"] == want
+    assert f"of the {want} ceiling" in bench._markdown(report, ["llambda"], (1,))
 
 
 def test_bench_rejects_a_converted_file(tiny, tmp_path):

@@ -59,11 +59,16 @@ from .peachpy_ext import upper_zmm_function
 ISAS = ("avx2", "avx512")
 K_UNROLL = 4          # k steps per main-loop iteration
 # Software prefetch of the weight streams, this many bytes ahead (one PREFETCHT0
-# per 64-byte line). The hardware prefetcher alone left a single weight stream
-# from DRAM at 44 GB/s; 16 KiB ahead gave 53 (f32) / 65 (f16) GB/s for m == 1
-# and took 4096x4096 at m = 16 from 76 to 124 GFLOP/s (Zen 5). 8 KiB was
-# half-way; 32 KiB cost 25 % on weights already in L2/L3.
-PREFETCH_DISTANCE = 16384
+# per 64-byte line). A tile reads its panels side by side, and a panel is k x 32 or 64
+# bytes: 18 KiB (f16) at k = 576. Asked 16 KiB ahead, a panel's stream was prefetched
+# only over its last 2 KiB, the other asks landing in the next panel behind where its own
+# stream was reading; 4 KiB ahead covers most of each panel. On the Intel host
+# (2026-12-06, README "Float models") that took two-thread F16 decode of SmolLM2 from
+# 95-99 to 112-115 tok/s and BF16's from 102-104 to 112-117, one-thread m = 16 products
+# streamed from memory from 100-103 to 115-116 GFLOP/s (576x576), with prefill unchanged.
+# (On Zen 5, 16 KiB had been tuned against the hardware prefetcher alone: 44 -> 53-65 GB/s
+# for one stream at m = 1, with 8 KiB half-way; not re-measured here.)
+PREFETCH_DISTANCE = 4096
 
 # Bytes of one element of the weight panel, by weight type.
 WEIGHT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}

@@ -262,11 +262,11 @@ class Model:
         return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
 
     # -- profiling --------------------------------------------------------------
-    def profile(self, tokens=32, prefill=128, prompt=None):
+    def profile(self, tokens=32, prefill=None, prompt=None):
         """Time every op of ``tokens`` decode steps after ``prompt`` (text or token ids;
-        default a short prompt), and of one ``prefill``-token chunk unless 0, as the plan
-        runs: a llambda.profile.ProfileReport (``.table()``, ``.as_dict()``). Empties the
-        KV cache."""
+        default a short prompt), and of one ``prefill``-token chunk unless 0 (default: one
+        prefill step of this model, ``net.max_batch`` rows), as the plan runs: a
+        llambda.profile.ProfileReport (``.table()``, ``.as_dict()``). Empties the KV cache."""
         from .profile import profile_decode
         if isinstance(prompt, str):
             prompt = self.tokenize(prompt)

@@ -283,7 +283,7 @@ def build_parser():
     run.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     run.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text, timings")
     run.add_argument("--profile", action="store_true", help="afterwards, time every op of the plan: decode steps after this "
-                     "prompt, and a 128-token prefill chunk (table on stderr)")
+                     "prompt, and one prefill step (128 tokens; 256 for a float model) (table on stderr)")
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's template")

@@ -335,16 +335,17 @@ def _work(op, run, config):
 
 
 # -- driving the model ------------------------------------------------------------
-def profile_decode(model, tokens=32, prefill=128, prompt=None):
+def profile_decode(model, tokens=32, prefill=None, prompt=None):
     """Profile ``tokens`` decode steps after ``prompt`` (token ids; default a short one) and
-    one ``prefill``-token chunk, unless 0, of ``model``, a llambda.api.Model, through its
+    one ``prefill``-token chunk, unless 0 (None: the rows of one prefill step, 128, or 256
+    for a float model: llambda/model.py), of ``model``, a llambda.api.Model, through its
     normal path. A long prompt is what decode attention costs in proportion to: the steps
     run after it, its first ids dropped when the context would not hold the steps too.
 
     Returns a ProfileReport. The KV cache is left empty."""
     tokens = _count("tokens", tokens, minimum=1)
-    prefill = _count("prefill", prefill, minimum=0)
     net = model.net
+    prefill = net.max_batch if prefill is None else _count("prefill", prefill, minimum=0)
     prompt = _prompt(model) if prompt is None else _prompt_ids(model, prompt, tokens)
     tokens = min(tokens, model.n_ctx - len(prompt) - WARMUP_STEPS)
     if tokens < 1:

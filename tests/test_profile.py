@@ -306,3 +306,16 @@ def test_attention_work_honours_the_sliding_window():
     assert windowed == (4.0 * 4 * 256 * 3 * 8, 8.0 * 256 * (8 + 2))
     early = SimpleNamespace(m=1, pos0=2)                 # the window not yet full
     assert _work(OpInfo("attention", window=8), early, config) == _work(OpInfo("attention"), early, config)
+
+
+def test_the_default_prefill_chunk_is_one_step_of_the_model(tmp_path):
+    """Without ``prefill``, the profile times the chunk prefill really runs: 128 rows, 256 for
+    a float model (llambda/model.py FLOAT_BATCH), at most the context."""
+    from llambda.model import DEFAULT_BATCH, FLOAT_BATCH
+    for tensor_type, rows in (("Q4_1", DEFAULT_BATCH), ("F16", FLOAT_BATCH)):
+        path = write_random_llama(tmp_path / f"step-{tensor_type}.gguf", tensor_type=tensor_type, seed=5,
+                                  n_ctx=512, **SHAPE)
+        with llambda.load(path, n_ctx=512, progress=False) as model:
+            assert model.profile(tokens=2).prefill.tokens_per_step == rows
+        with llambda.load(path, n_ctx=96, progress=False) as model:
+            assert model.profile(tokens=2).prefill.tokens_per_step == 96

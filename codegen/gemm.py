@@ -117,8 +117,9 @@ CONVERT_MIN_ROWS = 32
 CHUNK_K = 1024
 # Bytes between the buffer's panels beyond their CHUNK_K x 64: without them the three panels
 # start 64 KiB apart, so the convert's three stores of a k step (and the tiles' three loads)
-# land in the same L1 and L2 sets. Five lines apart, the convert and its block ran 2-6%
-# faster in alternating A/B runs (README, "Float models").
+# land in the same L1 and L2 sets. Five lines apart, F16 at m = 128 ran 2-6% faster with
+# the weights in cache and 1-4% streamed from memory, in alternating A/B runs (README,
+# "Float models").
 CONVERT_PANEL_GAP = 5 * 64
 CHUNK_F32 = False
 # While a converted block's row tiles compute, they ask L2 for the next block's weights

@@ -38,11 +38,12 @@ from .kv_pool import KVPool
 # Rows per step (prompt tokens of a prefill chunk and decode rows): big enough for GEMM
 # efficiency, small enough that the activation buffers stay in L2.
 DEFAULT_BATCH = 128
-# Rows per step when the blocks' weights are float (f32, f16, bf16): they are 2-8 bytes a
-# weight against the quantized kinds' 0.3-1, so a prefill step is bound by streaming
-# them from memory (each float GEMM block waits on its weights, README "Float models");
-# twice the rows read each weight byte half as often. Quantized models keep 128 rows: the
-# larger buffers would raise their peak RSS (issue 11's part 4) for less gain.
+# Rows per step when the blocks' weights are float (f32, f16, bf16): they are 2-4 bytes a
+# weight against the quantized kinds' 0.3-1.1, and a float GEMM block waits on its weights
+# from memory; twice the rows read each weight byte half as often. A gain where memory is
+# slow against the FMAs, level where it is not (README "Float models"). Quantized models
+# keep 128 rows: the larger buffers would raise their peak RSS (issue 11's part 4) for a
+# smaller gain.
 FLOAT_BATCH = 256
 # Head rows a step can compute at least (all-logits runs go this many rows at a time)
 MIN_HEAD_ROWS = 16

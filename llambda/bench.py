@@ -156,7 +156,7 @@ def _model_costs(model_path):
     runs once per prompt, not per token), from the file, and whether every matrix the
     prompt's FLOPs run on is float (its GEMMs run on FMAs, not the int8 kernels)."""
     from .convert import load_model_file
-    from llambda.runtime.kinds import traits
+    from llambda.runtime.kinds import quantized_kinds
     from llambda.runtime.layouts import PackedWeight
     config, _, weights = load_model_file(model_path)
     read = flops = 0
@@ -171,7 +171,7 @@ def _model_costs(model_path):
         read += w.nbytes
         if not is_lm_head:
             flops += 2 * w.n * w.k
-            float_matrices = float_matrices and traits(w.kind).activation != "q8"
+            float_matrices = float_matrices and w.kind not in quantized_kinds()
     return config, read, flops, float_matrices
 
 

@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from llambda.runtime import buffers, layouts
-from llambda.runtime.kinds import traits
+from llambda.runtime.kinds import quantized_kinds, traits
 from llambda.runtime.linear import Linear
 from llambda.runtime.thread_choice import ThreadChoice
 
@@ -60,7 +60,7 @@ def default_batch(layers):
     """Rows per step for these blocks (``_LayerWeights``): FLOAT_BATCH when every projection
     weight of the blocks is a float kind, DEFAULT_BATCH otherwise."""
     weights = [w for layer in layers for w in vars(layer).values() if isinstance(w, layouts.PackedWeight)]
-    if weights and all(traits(w.kind).activation != "q8" for w in weights):
+    if weights and not any(w.kind in quantized_kinds() for w in weights):
         return FLOAT_BATCH
     return DEFAULT_BATCH
 

@@ -23,3 +23,17 @@ def test_bench_attention_split_calls_match_the_reference(capsys, monkeypatch):
     bench_attention.main(["--kv", "f16,q8_0", "--keys", "600", "--layers", "1", "--rounds", "1", "--step", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llb_attention_paged_")]
     assert len(rows) == 2
+
+
+def test_bench_attention_on_a_pool_with_streams_between(capsys, monkeypatch):
+    """--threads: the layers run as a decode plan on a worker pool (split calls as dynamic
+    chunks, each with its own scratch, then the combine), checked against the reference
+    before timing; --between adds a stream op after each layer and reports the streams alone."""
+    monkeypatch.setattr(bench_attention, "BUDGET_S", 0.01)
+    bench_attention.main(["--kv", "f16,q8_0", "--keys", "700", "--layers", "2", "--rounds", "1",
+                          "--threads", "2", "--between", "0.5"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| llb_attention_paged_")]
+    assert len(rows) == 2
+    assert out.startswith("2 threads on a worker pool, 0.5 MB streamed after each layer's attention")
+    assert out.count("streams alone, ms per layer: lib 0: ") == 2

@@ -3,7 +3,7 @@
 
     tools/bench_attention.py [--kv f16,q8_0,f32] [--keys 1024,4096] [--layers 1|30]
                              [--isa avx2|avx512] [--lib A.so --lib B.so] [--shuffle] [--rounds 3]
-                             [--step N]
+                             [--step N] [--threads N [--between MB]]
 
 SmolLM2-135M's attention shape (9 query heads on 3 KV heads of head_dim 64), scale 1/8.
 ``--layers N`` makes N layers of arenas (as the KV pool lays them out) and calls them in turn, as a decode step walks
@@ -13,6 +13,16 @@ sequence's blocks come from a fresh pool; ``--shuffle`` permutes them. ``--step 
 each layer as a decode step's threads split it (runtime/recorder.py): N calls of the
 segments s = seg0 (mod N), each writing partial records, then attention_combine, all timed
 and the combined output checked.
+
+``--threads N`` runs the layers as a decode step's plan does, on a worker pool of N pinned
+threads: per layer one op of the split calls (segments s = seg0 mod step, step
+WHOLE_HEAD_CHUNKS_PER_THREAD x N unless ``--step`` says), claimed as dynamic chunks, then
+the combine, with the pool's barriers between ops. ``--between MB`` adds after each
+layer's attention an op that streams MB of a buffer of that layer's own (the read probe's
+loop, split over the threads), as the layer's weights would stream between two attentions:
+the row then reports attention's time within that mix (the mix's time less the streams'
+alone, printed above the table). On a host whose shared L3 holds part of a ~100 MB working
+set, attention alone and the weights alone each read faster than the two together.
 
 Each figure is the best of ``--rounds`` rounds of the mean time per call, reported as ns
 per (key, KV head) and as GB/s of K and V bytes read. The first call's output is checked
@@ -24,6 +34,8 @@ import ctypes
 import time
 
 import numpy as np
+
+from llambda.runtime.pool import WorkerPool
 
 N_HEAD, N_KV, HEAD_DIM, SCALE = 9, 3, 64, 0.125
 BUDGET_S = 0.2
@@ -67,7 +79,18 @@ def main(argv=None):
     ap.add_argument("--shuffle", action="store_true", help="blocks in a random order")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--step", type=int, default=0, help="split calls: segments seg0 (mod STEP), then the combine")
+    ap.add_argument("--threads", type=int, default=1, help="run the layers as a decode plan on a pool of N threads")
+    ap.add_argument("--between", type=float, default=0.0, metavar="MB",
+                    help="with the pool: MB of another buffer streamed after each layer's attention")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error("--threads: expected a positive count")
+    if args.between < 0:
+        ap.error("--between: expected MB >= 0")
+    pooled = args.threads > 1 or args.between > 0
+    if args.threads > 1 and not args.step:
+        from llambda.runtime.recorder import WHOLE_HEAD_CHUNKS_PER_THREAD
+        args.step = WHOLE_HEAD_CHUNKS_PER_THREAD * args.threads
 
     from llambda.runtime import buffers, library
     from llambda.runtime.native import paged
@@ -76,7 +99,11 @@ def main(argv=None):
     libs = args.lib or [str(library.load("avx2").directory / "libllambda.so")]
     dlls = [ctypes.CDLL(path) for path in libs]
     rng = np.random.default_rng(0)
-    print(f"One thread, {'random' if args.shuffle else 'sequential'} block order; lib i = {', '.join(libs)}\n")
+    threads = f"{args.threads} thread{'s' if args.threads > 1 else ''} on a worker pool" if pooled else "One thread"
+    between = f", {args.between:g} MB streamed after each layer's attention" if args.between else ""
+    print(f"{threads}{between}, {'random' if args.shuffle else 'sequential'} block order; lib i = {', '.join(libs)}\n")
+    pool = WorkerPool(args.threads) if pooled else None
+    streams = between_buffers(args.between, args.layers) if args.between else None
     print(f"| kernel | keys | layers | {' | '.join(f'lib {i}: ns per (key, KV head), GB/s' for i in range(len(libs)))} |")
     print(f"|---|---|---|{'---|' * len(libs)}")
     for kv in args.kv.split(","):
@@ -91,7 +118,9 @@ def main(argv=None):
             symbol = calls[0][0][0]
             if args.step:
                 partials = paged.attention_partials(1, N_HEAD, HEAD_DIM, sets[0][2])
-                calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch,
+                # a scratch per split call: on a pool two threads run them at once
+                scratches = [paged.paged_attention_scratch(keys, HEAD_DIM) for _ in range(args.step)]
+                calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratches[seg0],
                                                      partials=partials, segments=(seg0, args.step), isa=args.isa)
                           for seg0 in range(args.step)]
                          + [paged.attention_combine_call(partials, positions, t, out)]
@@ -99,7 +128,8 @@ def main(argv=None):
             # the reference (over q8_0 arenas it scores q's q8_0 rows, as the kernels do), and
             # for q8_0 also over the dequantized arenas: a library from before q8_0's int8
             # scores scored the unquantized q
-            k, v, t = sets[0]
+            check = len(sets) - 1 if pooled else 0        # a plan leaves the last layer's output
+            k, v, t = sets[check]
             inputs = [(k, v)]
             if kv == "q8_0":
                 rows = ref.dequantize_kv_q8(ref.key_rows(k, HEAD_DIM), HEAD_DIM)
@@ -121,14 +151,22 @@ def main(argv=None):
                 def fn(layer, layers=layers):
                     for f, arguments in layers[layer]:
                         f(*arguments)
+                if pooled:
+                    fn = plan_runner(pool, layers, dll, streams, args.threads)
                 fn(0)
                 error = min(float(np.abs(out - want).max()) for want in wants)
                 if not error <= 1e-4:
                     raise SystemExit(f"{symbol} in {dll._name}: max |out - reference| = {error:.3g}")
                 fns.append(fn)
             best = [float("inf")] * len(fns)
+            stream_s = [float("inf")] * len(fns)
             for _ in range(args.rounds):
                 for i, fn in enumerate(fns):
+                    if pooled:
+                        best[i] = min(best[i], timed(fn.both) / len(calls))
+                        if streams:
+                            stream_s[i] = min(stream_s[i], timed(fn.streams) / len(calls))
+                        continue
                     n, t0 = 0, time.perf_counter()
                     while True:
                         fn(n % len(calls))
@@ -137,9 +175,69 @@ def main(argv=None):
                         if elapsed > BUDGET_S and n >= len(calls):
                             break
                     best[i] = min(best[i], elapsed / n)
+            if streams:
+                print("streams alone, ms per layer: " + ", ".join(f"lib {i}: {s * 1e3:.3f}"
+                                                                  for i, s in enumerate(stream_s)))
+                best = [b - s for b, s in zip(best, stream_s)]
             kv_bytes = 2 * sets[0][1][0, 0].nbytes * sets[0][1].shape[0] * N_KV     # K and V, every block
             cells = [f"{s * 1e9 / (keys * N_KV):.2f} ns, {kv_bytes / s / 1e9:.1f} GB/s" for s in best]
             print(f"| {symbol} | {keys} | {args.layers} | {' | '.join(cells)} |", flush=True)
+
+    if pool is not None:
+        pool.close()
+
+
+def between_buffers(mb, layers):
+    """One buffer of ``mb`` MB per layer, every page written (so reading it streams memory)."""
+    from llambda.runtime import buffers
+    floats = max(int(mb * 2 ** 20) // 4 // 256 * 256, 256)
+    return [buffers.full(floats, 1.0) for _ in range(layers)]
+
+
+def timed(run):
+    """Seconds of one run(), the best of those that fit in BUDGET_S (at least 3)."""
+    best, n, t0 = float("inf"), 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < BUDGET_S:
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+        n += 1
+    return best
+
+
+def plan_runner(pool, layers, dll, streams, n_threads):
+    """fn(layer) for the check (runs the whole plan), with fn.both and fn.streams: the plan
+    of every layer's attention op (split calls as dynamic chunks, then the serial combine)
+    and its stream op, and the plan of the stream ops alone."""
+    from llambda.runtime.plan import Plan
+    if streams:
+        probe = dll.llb_probe_read__avx2
+        probe.restype, probe.argtypes = None, [ctypes.c_size_t] * 3
+
+    def build(attention, stream):
+        plan = Plan(n_threads)
+        for layer, ops in enumerate(layers):
+            if attention:
+                *split, last = ops
+                if split:                               # the split calls, then the combine
+                    ints = [[a for a in arguments if not isinstance(a, float)] for _, arguments in split]
+                    floats = [a for a in split[0][1] if isinstance(a, float)]
+                    plan.add(split[0][0], float_args=floats, chunks=ints)
+                f, arguments = last
+                plan.add(f, int_args=[a for a in arguments if not isinstance(a, float)],
+                         float_args=[a for a in arguments if isinstance(a, float)])
+            if stream and streams:
+                buffer = streams[layer]
+                part = buffer.nbytes // n_threads // 128 * 128
+                plan.add(probe, chunks=[[buffer.ctypes.data + i * part, part, 1] for i in range(n_threads)])
+        return plan
+    both, alone = build(True, True), build(False, True)
+
+    def fn(layer):
+        both.run(pool)
+    fn.both = lambda: both.run(pool)
+    fn.streams = lambda: alone.run(pool)
+    return fn
 
 
 if __name__ == "__main__":

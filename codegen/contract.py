@@ -65,6 +65,14 @@ def kv_segments(keys):
     """Segments a table of ``keys`` key slots can hold (absolute segment indices 0..n-1)."""
     return -(-keys // KV_SEGMENT)
 
+
+# -- attention's scratch (runtime/native/paged.py paged_attention_scratch): KV_BLOCK floats of
+#    slack, score rows of KV_SEGMENT floats for ATTENTION_ROWS rows of up to 3 heads, then
+#    per row the partial records [segment][3 heads] of the segments its keys can span. A
+#    prompt's rows go through the AVX-512 float kernels ATTENTION_ROWS at a time, sharing
+#    each K and V row they load (codegen/paged.py "Rows in pairs").
+ATTENTION_ROWS = 2
+
 # -- plans (runtime/plan.py writes records, codegen/executor.py walks them)
 RECORD_BYTES = 128
 FN_OFFSET = 0

@@ -43,8 +43,19 @@ same sums in the same order, so the same scores. The window is one code path: th
 ``min(p + 1, window)`` keys (window 0: all), i.e. n_keys - 1 = min(p, window - 1) in
 unsigned arithmetic, where window - 1 wraps to the largest integer for 0.
 
-The scratch holds SCORE_SLACK floats, MAX_HEADS score rows of KV_SEGMENT floats, then
-(whole rows) the partial records [segment][MAX_HEADS] of the segments one row spans
+Rows in pairs: the avx512 f32 and f16 kernels take a call's rows two at a time when both
+belong to one sequence and there is no window (a prompt chunk's rows), whole rows only.
+The segments both rows see whole (s < pair_end, emit_pair_segments) go through
+tile_scores_pair and emit_pv_tile_pair, which multiply each K and V vector they load
+(and widen) into both rows' heads, then each row's later segments go alone
+(emit_segments from pair_end) and each row is combined. Each row's sums are the one-row
+passes' operations in their order, so a row gives the same bits paired or alone; a pair
+shares the conversions and the K and V reads from the caches. Decode steps (split calls)
+and q8_0 arenas (each row's own query quants) take rows one at a time.
+
+The scratch holds SCORE_SLACK floats, ATTENTION_ROWS x MAX_HEADS score rows of KV_SEGMENT
+floats (row B's after row A's), then (whole rows) each row's partial records
+[segment][MAX_HEADS] of the segments one row spans, row A's then row B's
 (``paged_attention_scratch`` sizes it). The block table, positions and row_seq are trusted: the binding checks
 everything else, the caller (llambda/kv_pool.py) keeps those in range.
 
@@ -74,8 +85,8 @@ from peachpy.x86_64 import byte, word, dword
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_BLOCK,
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
-from .peachpy_ext import VPDPBUSD, broadcast
-from .contract import (KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, PARTIAL_EXTRA,
+from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
+from .contract import (ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, PARTIAL_EXTRA,
                        kv_q8_row_bytes)
 from .vmath import exp_ps, first_dword
 
@@ -192,7 +203,10 @@ def new_frame(arena, isa="avx2"):
              "kv0", "group_end0", "key", "keys_left", "kb_first", "kb_keys", "offset", "chunks_left", "kd",
              "seg", "seg0", "seg_step", "rec4", "stat", "seg_stride", "pbase", "dest_step", "phead", "hbase",
              "row_first", "row_last", "whole", "partial_scratch", "rec_heads", "combine_rec", "combine_count",
-             "combine_out", "pass_chunks"]
+             "combine_out", "pass_chunks", "seg_start",
+             # a pair of prompt rows (emit_row_pair): row B's, and row A's while B's are in place
+             "q_heads_b", "out_heads_b", "hbase_b", "row_last_b", "partial_scratch_b", "rec_heads_b",
+             "pair_end", "q_heads_a", "out_heads_a", "hbase_a", "row_last_a"]
     frame = SimpleNamespace(**{name: LocalVariable(8) for name in names})
     frame.scale = LocalVariable(4)
     frame.arena = arena
@@ -204,6 +218,7 @@ def new_frame(arena, isa="avx2"):
     frame.vec = ZMMRegister if frame.wide else YMMRegister
     frame.chunk = frame.lanes * FLOAT
     frame.q8_chunks = KV_Q8_BLOCK // frame.lanes
+    frame.pairs = frame.wide and not frame.q8        # prompt rows in pairs (emit_row_pair)
     if frame.q8:                                     # the tile's queries as q8_0 rows (emit_query_quants)
         frame.query_rows = LocalVariable(MAX_HEADS * Q8_QUERY_ROW, alignment=8)
     return frame
@@ -318,6 +333,68 @@ def tile_scores(heads, frame, tile, out, prefetch):
                 a = a[0::2]
             VMULPS(a[0], a[0], scale)
             VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
+
+
+# Row B's score rows sit this many bytes after row A's (the scratch's ATTENTION_ROWS x
+# MAX_HEADS score rows); zmm16-31 hold row B's accumulators (UpperZmmFunction).
+ROW_B_SCORES = MAX_HEADS * KV_SEGMENT * FLOAT
+UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
+
+
+def tile_scores_pair(heads, frame, tile, out, prefetch):
+    """tile_scores for two rows at once (emit_row_pair): each loaded K vector is multiplied
+    into row A's heads (q at frame.q_heads, score rows at ``out``) and row B's (frame.q_heads_b,
+    ROW_B_SCORES on). Each row's scores are tile_scores' operations in tile_scores' order:
+    the same bits as the row alone."""
+    partials = KEY_PARTIALS[frame.wide]
+    assert frame.pairs and KV_BLOCK == frame.lanes
+    e = ARENA_BYTES[frame.arena]
+    accs = [[frame.vec() for _ in range(partials)] for _ in range(heads)]
+    upper = iter(UPPER_ZMM)
+    accs_b = [[next(upper) for _ in range(partials)] for _ in range(heads)]
+    for a in sum(accs + accs_b, []):
+        VXORPS(a, a, a)
+    kp, qd, qb, hd4 = gp(), gp(), gp(), gp()
+    MOV(kp, tile)
+    MOV(qd, frame.q_heads)
+    MOV(qb, frame.q_heads_b)
+    MOV(hd4, frame.hd4)
+
+    def dims(count):
+        for r in range(count):
+            k = frame.vec()
+            key_vector(frame, k, [kp + r * KV_BLOCK * e])
+            for h in range(heads):
+                for q_base, acc in ((qd, accs), (qb, accs_b)):
+                    b = frame.vec()
+                    VBROADCASTSS(b, row(q_base, hd4, h, r * FLOAT))
+                    VFMADD231PS(acc[h][r % partials], k, b)
+
+    count = gp()
+    MOV(count, frame.head_dim)
+    SHR(count, partials.bit_length() - 1)
+    with Loop() as groups:                           # head_dim % 16 == 0: at least one group
+        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        dims(partials)
+        ADD(kp, partials * KV_BLOCK * e)
+        ADD(qd, partials * FLOAT)
+        ADD(qb, partials * FLOAT)
+        DEC(count)
+        JNZ(groups.begin)
+
+    scale = frame.vec()
+    VBROADCASTSS(scale, frame.scale)
+    stride4 = gp()
+    MOV(stride4, frame.stride4)
+    for base, row_accs in ((0, accs), (ROW_B_SCORES, accs_b)):
+        for h in range(heads):
+            a = row_accs[h]
+            while len(a) > 1:                        # (p0 + p1) + (p2 + p3)
+                for i in range(0, len(a), 2):
+                    VADDPS(a[i], a[i], a[i + 1])
+                a = a[0::2]
+            VMULPS(a[0], a[0], scale)
+            VMOVUPS(row(out, stride4, h, base), a[0])
 
 
 def q8_tile_pointers(frame, tile):
@@ -569,7 +646,7 @@ def prefetch_targets(frame, key):
     return (v_tile, k_tile)
 
 
-def emit_scores(heads, frame):
+def emit_scores(heads, frame, pair=False):
     """Score rows [head][key - first] = scale * q . k for the segment's keys, a whole block at
     a time. A block's 16 scores are stored whole: the first block's lanes before ``first``
     land in the SCORE_SLACK floats before the first row (and, for the other heads, in the
@@ -592,7 +669,7 @@ def emit_scores(heads, frame):
         block_row_address(frame, block, frame.k_head, tile)
         out = gp()
         MOV(out, frame.offset)
-        scores = tile_scores
+        scores = tile_scores_pair if pair else tile_scores
         if frame.q8:
             scores = tile_scores_vnni if frame.wide else tile_scores_int8
         scores(heads, frame, tile, out, prefetch)
@@ -726,6 +803,97 @@ def emit_pv_tile(heads, chunks, masked, frame):
                 VMOVUPS(row(out, hd4, h, c * frame.chunk), accs[h][c])
 
 
+# P V tiles of a pair: chunks of 16 columns. Row B's heads x chunks accumulators in zmm16-31,
+# then row A's in what is left of them and in the 16 others, beside each row's p of the key and
+# the key's V vector: 3 heads x 4 chunks x 2 rows = 16 + 8, then 3 + 3 + 1.
+PAIR_PV_CHUNKS = 4
+
+
+def emit_pv_tile_pair(heads, chunks, frame):
+    """emit_pv_tile for two rows at once (emit_row_pair): each V vector loaded (and widened)
+    once for both rows' heads, row A's records at frame.rec_heads, row B's at
+    frame.rec_heads_b. Each output column is emit_pv_tile's chain in its order (the tile's
+    width changes no bit): the same bits as the row alone."""
+    assert frame.pairs
+    upper = iter(UPPER_ZMM)
+    accs_b = [[next(upper) for _ in range(chunks)] for _ in range(heads)]
+    accs = [[next(upper, None) or frame.vec() for _ in range(chunks)] for _ in range(heads)]
+    for a in sum(accs + accs_b, []):
+        VXORPS(a, a, a)
+    probs, t = gp(), gp()
+    MOV(probs, frame.kb_first)
+    SHL(probs, 2)
+    ADD(probs, frame.scores)
+    MOV(t, frame.kb_first)
+    ADD(t, frame.first)
+    MOV(frame.key, t)
+    MOV(t, frame.kb_keys)
+    MOV(frame.keys_left, t)
+
+    with Loop() as runs:
+        values, run, key, keys_left, hd4, stride4 = gp(), gp(), gp(), gp(), gp(), gp()
+        MOV(key, frame.key)
+        MOV(keys_left, frame.keys_left)
+        block_row_address(frame, key, frame.v_head, values)
+        offset = gp()
+        MOV(offset, frame.offset)
+        if frame.half:
+            SHR(offset, 1)                           # out's f32 columns -> the arena's halves
+        ADD(values, offset)
+        later, ahead = gp(), gp()                    # the V row KEY_BLOCK keys on
+        LEA(later, [key + KEY_BLOCK])
+        attended_ahead(frame, later, key)
+        block_row_address(frame, later, frame.v_head, ahead)
+        ADD(ahead, offset)
+        run_length(key, keys_left, run)
+        ADD(key, run)
+        SUB(keys_left, run)
+        MOV(frame.key, key)
+        MOV(frame.keys_left, keys_left)
+        MOV(hd4, frame.kd)
+        MOV(stride4, frame.stride4)
+        with Loop() as keys:
+            p = [frame.vec() for _ in range(heads)]
+            p_b = [frame.vec() for _ in range(heads)]
+            for h in range(heads):
+                VBROADCASTSS(p[h], row(probs, stride4, h))
+                VBROADCASTSS(p_b[h], row(probs, stride4, h, ROW_B_SCORES))
+            for c in range(chunks):
+                vm = frame.vec()
+                if frame.half:
+                    VCVTPH2PS(vm, [values + c * frame.chunk // 2])
+                else:
+                    VMOVUPS(vm, [values + c * frame.chunk])
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], p[h], vm)
+                    VFMADD231PS(accs_b[h][c], p_b[h], vm)
+            for i in range(pv_prefetch_lines(frame, chunks)):
+                PREFETCHT1([ahead + i * CACHE_LINE])
+            ADD(ahead, hd4)
+            ADD(probs, FLOAT)
+            ADD(values, hd4)
+            DEC(run)
+            JNZ(keys.begin)
+        CMP(frame.keys_left, 0)
+        JNE(runs.begin)
+
+    for records, row_accs in ((frame.rec_heads, accs), (frame.rec_heads_b, accs_b)):
+        out, hd4 = gp(), gp()
+        MOV(hd4, frame.rec4)
+        MOV(out, records)
+        ADD(out, frame.offset)
+        accumulate = Block()
+        with accumulate:
+            CMP(frame.kb_first, 0)
+            JE(accumulate.end)
+            for h in range(heads):
+                for c in range(chunks):
+                    VADDPS(row_accs[h][c], row_accs[h][c], row(out, hd4, h, c * frame.chunk))
+        for h in range(heads):
+            for c in range(chunks):
+                VMOVUPS(row(out, hd4, h, c * frame.chunk), row_accs[h][c])
+
+
 def advance_offset(frame, chunks):
     t = gp()
     MOV(t, frame.offset)
@@ -733,8 +901,8 @@ def advance_offset(frame, chunks):
     MOV(frame.offset, t)
 
 
-def emit_pv(heads, frame):
-    tile = (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
+def emit_pv(heads, frame, pair=False):
+    tile = PAIR_PV_CHUNKS if pair else (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
     # q8_0 (head_dim % 32 == 0) leaves only whole scale blocks after the full tiles
     narrower = [c for c in range(1, tile) if not frame.q8 or c % frame.q8_chunks == 0]
     t = gp()
@@ -755,7 +923,10 @@ def emit_pv(heads, frame):
         CMP(frame.chunks_left, tile)
         JB(full_tiles.end)
         with full_tiles:
-            emit_pv_tile(heads, tile, False, frame)
+            if pair:
+                emit_pv_tile_pair(heads, tile, frame)
+            else:
+                emit_pv_tile(heads, tile, False, frame)
             advance_offset(frame, tile)
             left = gp()
             MOV(left, frame.chunks_left)
@@ -770,7 +941,10 @@ def emit_pv(heads, frame):
                 with width:
                     CMP(frame.chunks_left, chunks)
                     JNE(width.end)
-                    emit_pv_tile(heads, chunks, False, frame)
+                    if pair:
+                        emit_pv_tile_pair(heads, chunks, frame)
+                    else:
+                        emit_pv_tile(heads, chunks, False, frame)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
         if frame.arena == "f32" and not frame.wide:  # f16, q8_0, AVX-512: no tail
@@ -801,16 +975,19 @@ def head_address(out, base, stride, h):
         ADD(out, t)
 
 
-def emit_partial_softmax(heads, frame):
+def emit_partial_softmax(heads, frame, row_b=False):
     """Per head of the tile: the segment's max score, e_j = exp(s_j - max) in place on the
     score row, and their sum (the same order as codegen/attention.py's softmax), max and sum
-    stored in the head's partial record; nothing is normalised (the combine does it)."""
+    stored in the head's partial record; nothing is normalised (the combine does it).
+    ``row_b``: row B of a pair (its score rows and records)."""
     for h in range(heads):
         score_row = gp()
         head_address(score_row, frame.scores, frame.stride4, h)
+        if row_b:
+            ADD(score_row, ROW_B_SCORES)
         peak, total = emit_exp_row(frame, score_row)
         rec = gp()
-        head_address(rec, frame.rec_heads, frame.rec4, h)
+        head_address(rec, frame.rec_heads_b if row_b else frame.rec_heads, frame.rec4, h)
         ADD(rec, frame.stat)
         VMOVSS([rec], peak.as_xmm)
         VMOVSS([rec + 4], total.as_xmm)
@@ -1017,7 +1194,7 @@ def emit_segments(heads, frame):
     """The segments s = seg0 (mod seg_step) of this row's keys [row_first, row_last]: each
     one's scores, softmax and P V into the tile's partial records at hbase + s * seg_stride."""
     s, t = gp(), gp()
-    MOV(s, frame.seg0)
+    MOV(s, frame.seg_start)
     skip = Loop()
     with skip:                                       # segments wholly before the row's first key
         LEA(t, [s + 1])
@@ -1121,6 +1298,146 @@ def emit_heads(frame):
                 JMP(done.end)
 
 
+# ---------------------------------------------------------------- rows in pairs
+
+def emit_pair_segments(heads, frame):
+    """The segments both rows of a pair see whole, s < pair_end = (min(row_last, row_last_b)
+    + 1) / KV_SEGMENT (no window: every row's keys start at 0): scores, softmax and P V of
+    both rows' heads, each K and V vector loaded once, each row's partial records its own."""
+    end, t = gp(), gp()
+    MOV(end, frame.row_last)
+    CMP(end, frame.row_last_b)
+    CMOVA(end, frame.row_last_b)
+    ADD(end, 1)
+    SHR(end, LOG2_SEGMENT)
+    MOV(frame.pair_end, end)
+    MOV(frame.seg, 0)
+    segments = Loop()
+    CMP(end, 0)
+    JE(segments.end)
+    with segments:
+        s, first, rec = gp(), gp(), gp()
+        MOV(s, frame.seg)
+        MOV(first, s)
+        SHL(first, LOG2_SEGMENT)
+        MOV(frame.first, first)
+        MOV(frame.n_keys, KV_SEGMENT)
+        for base, slot in ((frame.hbase, frame.rec_heads), (frame.hbase_b, frame.rec_heads_b)):
+            MOV(rec, s)
+            IMUL(rec, frame.seg_stride)
+            ADD(rec, base)
+            MOV(slot, rec)
+        emit_scores(heads, frame, pair=True)
+        emit_partial_softmax(heads, frame)
+        emit_partial_softmax(heads, frame, row_b=True)
+        emit_pv(heads, frame, pair=True)
+        s = gp()
+        MOV(s, frame.seg)
+        ADD(s, 1)
+        MOV(frame.seg, s)
+        CMP(s, frame.pair_end)
+        JB(segments.begin)
+    MOV(t, frame.pair_end)
+    MOV(frame.seg_start, t)
+
+
+def swap_rows(frame, to_b):
+    """Put row B's pointers and last key where the one-row passes read row A's (to_b), or
+    row A's back."""
+    t = gp()
+    for slot, a, b in ((frame.q_heads, frame.q_heads_a, frame.q_heads_b),
+                       (frame.out_heads, frame.out_heads_a, frame.out_heads_b),
+                       (frame.hbase, frame.hbase_a, frame.hbase_b),
+                       (frame.row_last, frame.row_last_a, frame.row_last_b)):
+        if to_b:
+            MOV(t, slot)
+            MOV(a, t)
+        MOV(t, b if to_b else a)
+        MOV(slot, t)
+
+
+def emit_heads_pair(frame):
+    """emit_heads for a pair of rows: the segments both see whole together, then each row's
+    later segments alone (emit_segments from pair_end), then each row's combine."""
+    count, heads_left, group_left = gp(), gp(), gp()
+    MOV(heads_left, frame.h1)
+    SUB(heads_left, frame.h)
+    MOV(group_left, frame.group_end)
+    SUB(group_left, frame.h)
+    MOV(count, MAX_HEADS)
+    CMP(count, heads_left)
+    CMOVA(count, heads_left)
+    CMP(count, group_left)
+    CMOVA(count, group_left)
+    MOV(frame.heads_count, count)
+    done = Block()
+    with done:
+        for heads in range(1, MAX_HEADS + 1):
+            variant = Block()
+            with variant:
+                if heads < MAX_HEADS:
+                    CMP(count, heads)
+                    JNE(variant.end)
+                emit_pair_segments(heads, frame)
+                emit_segments(heads, frame)              # row A's segments from pair_end
+                swap_rows(frame, to_b=True)
+                emit_segments(heads, frame)              # row B's
+                emit_row_combine(heads, frame)
+                swap_rows(frame, to_b=False)
+                emit_row_combine(heads, frame)
+                JMP(done.end)
+
+
+def emit_row_pair(frame):
+    """Heads h0..h1-1 of the current row (A) and the next (B), MAX_HEADS of a KV group at a
+    time: emit_row for two rows of one sequence and no window (emit_row_keys has set up A;
+    row_last_b and partial_scratch_b are B's)."""
+    t = gp()
+    for slot, start in ((frame.h, frame.h0), (frame.kv, frame.kv0), (frame.group_end, frame.group_end0)):
+        MOV(t, start)
+        MOV(slot, t)
+    with Loop() as head_groups:
+        emit_head_pointers(frame)
+        p = gp()
+        MOV(p, frame.q_heads)
+        ADD(p, frame.row_stride)
+        MOV(frame.q_heads_b, p)
+        MOV(p, frame.out_heads)
+        ADD(p, frame.dest_step)
+        MOV(frame.out_heads_b, p)
+        MOV(p, frame.h)
+        IMUL(p, frame.phead)
+        ADD(p, frame.partial_scratch_b)
+        MOV(frame.hbase_b, p)
+        emit_heads_pair(frame)
+        h = gp()
+        MOV(h, frame.h)
+        ADD(h, frame.heads_count)
+        MOV(frame.h, h)
+        next_kv = Block()
+        with next_kv:
+            CMP(h, frame.group_end)
+            JNE(next_kv.end)
+            ADD(frame.kv, 1)
+            group = gp()
+            MOV(group, frame.group)
+            ADD(frame.group_end, group)
+        CMP(h, frame.h1)
+        JB(head_groups.begin)
+
+
+def next_row(frame, rows):
+    """Step the row pointers ``rows`` rows on."""
+    step = gp()
+    for _ in range(rows):
+        MOV(step, frame.row_stride)
+        ADD(frame.q_row, step)
+        MOV(step, frame.dest_step)
+        ADD(frame.out_row, step)
+        ADD(frame.positions, INDEX)
+        ADD(frame.row_seq, INDEX)
+
+
 def emit_head_pointers(frame):
     """q, out of heads h.. of this row; K, V of their KV head in block 0; their partials."""
     head_offset, kv_offset, p = gp(), gp(), gp()
@@ -1180,6 +1497,8 @@ def emit_row_keys(frame):
 def emit_row(frame):
     """Heads h0..h1-1 of the current row, MAX_HEADS of a KV group at a time."""
     t = gp()
+    MOV(t, frame.seg0)
+    MOV(frame.seg_start, t)
     for slot, start in ((frame.h, frame.h0), (frame.kv, frame.kv0), (frame.group_end, frame.group_end0)):
         MOV(t, start)
         MOV(slot, t)
@@ -1325,7 +1644,7 @@ def emit_setup(frame, args):
     MOV(frame.stride4, KV_SEGMENT * FLOAT)           # score rows: one segment each
     p = gp()
     MOV(p, frame.scores)
-    ADD(p, MAX_HEADS * KV_SEGMENT * FLOAT)
+    ADD(p, ATTENTION_ROWS * MAX_HEADS * KV_SEGMENT * FLOAT)
     MOV(frame.partial_scratch, p)
     MOV(t, table_stride)
     SHL(t, 2)
@@ -1350,6 +1669,14 @@ def emit_setup(frame, args):
         MOV(frame.seg_stride, t)
         MOV(t, frame.row_stride)
         MOV(frame.dest_step, t)
+        # row B of a pair keeps its records after row A's: the segments a table holds, + 1
+        MOV(t, table_stride)
+        ADD(t, KV_SEGMENT // KV_BLOCK - 1)
+        SHR(t, LOG2_SEGMENT - LOG2_KV_BLOCK)
+        ADD(t, 1)
+        IMUL(t, frame.seg_stride)
+        ADD(t, frame.partial_scratch)
+        MOV(frame.partial_scratch_b, t)
         JMP(split.end)
     with split:                                      # records [row][segment][n_head] in dest
         MOV(frame.whole, 0)
@@ -1366,24 +1693,42 @@ def emit_setup(frame, args):
 
 def emit_attention_paged(isa, arena):
     signature = typed(ATTENTION_SIGNATURE, arena, ("k_arena", "v_arena"))
-    fn, args = function(symbol("attention_paged", arena, "", isa), signature, isa)
+    open_function = upper_zmm_function if isa == "avx512" else function
+    fn, args = open_function(symbol("attention_paged", arena, "", isa), signature, isa)
     with fn:
         frame = new_frame(arena, isa)
         emit_setup(frame, args)
         with Loop() as rows:
             emit_row_keys(frame)
+            if frame.pairs:
+                alone = Block()
+                with alone:
+                    # a pair: two rows left, whole rows, no window, one sequence
+                    CMP(frame.rows_left, 2)
+                    JB(alone.end)
+                    CMP(frame.whole, 0)
+                    JE(alone.end)
+                    CMP(frame.window1, -1)
+                    JNE(alone.end)
+                    seqs, position = gp(), gp()
+                    MOV(seqs, frame.row_seq)
+                    MOV(position.as_dword, [seqs])
+                    CMP(position.as_dword, [seqs + INDEX])
+                    JNE(alone.end)
+                    MOV(seqs, frame.positions)
+                    MOV(position.as_dword, [seqs + INDEX])   # zero-extends
+                    MOV(frame.row_last_b, position)
+                    emit_row_pair(frame)
+                    next_row(frame, 2)
+                    SUB(frame.rows_left, 2)
+                    JZ(rows.end)
+                    JMP(rows.begin)
             emit_row(frame)
-            step = gp()
-            MOV(step, frame.row_stride)
-            ADD(frame.q_row, step)
-            MOV(step, frame.dest_step)
-            ADD(frame.out_row, step)
-            ADD(frame.positions, INDEX)
-            ADD(frame.row_seq, INDEX)
+            next_row(frame, 1)
             SUB(frame.rows_left, 1)
             JNZ(rows.begin)
         RETURN()
-    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}", args=signature)
+    return Kernel(fn, FAMILY, isa, tile=f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}r{ATTENTION_ROWS}", args=signature)
 
 
 def emit_attention_combine(isa):

@@ -37,3 +37,15 @@ def test_bench_attention_on_a_pool_with_streams_between(capsys, monkeypatch):
     assert len(rows) == 2
     assert out.startswith("2 threads on a worker pool, 0.5 MB streamed after each layer's attention")
     assert out.count("streams alone, ms per layer: lib 0: ") == 2
+
+
+def test_bench_attention_times_a_prompt_chunk(capsys, monkeypatch):
+    """--rows: M rows of one sequence at the last M positions in one call (checked against the
+    reference first); --group: only the first KV head's query heads."""
+    monkeypatch.setattr(bench_attention, "BUDGET_S", 0.01)
+    bench_attention.main(["--kv", "f16,f32,q8_0", "--keys", "300", "--layers", "1", "--rounds", "1",
+                          "--rows", "5", "--group"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| llb_attention_paged_")]
+    assert len(rows) == 3
+    assert "ns per (row, key, KV head), GB/s" in out

@@ -3,7 +3,7 @@
 
     tools/bench_attention.py [--kv f16,q8_0,f32] [--keys 1024,4096] [--layers 1|30]
                              [--isa avx2|avx512] [--lib A.so --lib B.so] [--shuffle] [--rounds 3]
-                             [--step N] [--threads N [--between MB]]
+                             [--step N] [--threads N [--between MB]] [--rows M] [--group]
 
 SmolLM2-135M's attention shape (9 query heads on 3 KV heads of head_dim 64), scale 1/8.
 ``--layers N`` makes N layers of arenas (as the KV pool lays them out) and calls them in turn, as a decode step walks
@@ -23,6 +23,11 @@ loop, split over the threads), as the layer's weights would stream between two a
 the row then reports attention's time within that mix (the mix's time less the streams'
 alone, printed above the table). On a host whose shared L3 holds part of a ~100 MB working
 set, attention alone and the weights alone each read faster than the two together.
+
+``--rows M`` times a prompt chunk instead: M query rows of one sequence at the last M
+positions, in one whole call per layer (the AVX-512 float kernels take such rows two at a
+time); ``--group`` computes only the query heads of the first KV head, as the prompt plan's
+chunks split a call (runtime/recorder.py). Figures are then per (row, key, KV head).
 
 Each figure is the best of ``--rounds`` rounds of the mean time per call, reported as ns
 per (key, KV head) and as GB/s of K and V bytes read. The first call's output is checked
@@ -82,7 +87,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="run the layers as a decode plan on a pool of N threads")
     ap.add_argument("--between", type=float, default=0.0, metavar="MB",
                     help="with the pool: MB of another buffer streamed after each layer's attention")
+    ap.add_argument("--rows", type=int, default=1, help="M query rows at the last M positions (a prompt chunk)")
+    ap.add_argument("--group", action="store_true", help="only the first KV head's query heads")
     args = ap.parse_args(argv)
+    if args.rows < 1:
+        ap.error("--rows: expected a positive count")
+    if args.rows > 1 and (args.step or args.threads > 1):
+        ap.error("--rows: a prompt chunk is one whole call per layer (no --step, --threads)")
     if args.threads < 1:
         ap.error("--threads: expected a positive count")
     if args.between < 0:
@@ -104,16 +115,21 @@ def main(argv=None):
     print(f"{threads}{between}, {'random' if args.shuffle else 'sequential'} block order; lib i = {', '.join(libs)}\n")
     pool = WorkerPool(args.threads) if pooled else None
     streams = between_buffers(args.between, args.layers) if args.between else None
-    print(f"| kernel | keys | layers | {' | '.join(f'lib {i}: ns per (key, KV head), GB/s' for i in range(len(libs)))} |")
+    per = "(row, key, KV head)" if args.rows > 1 else "(key, KV head)"
+    print(f"| kernel | keys | layers | {' | '.join(f'lib {i}: ns per {per}, GB/s' for i in range(len(libs)))} |")
     print(f"|---|---|---|{'---|' * len(libs)}")
     for kv in args.kv.split(","):
         for keys in [int(k) for k in args.keys.split(",")]:
             sets = arenas(kv, keys, args.layers, args.shuffle, rng)
-            q = buffers.aligned_copy(rng.standard_normal((1, N_HEAD, HEAD_DIM)).astype(np.float32))
+            n_rows = min(args.rows, keys)
+            heads = (0, N_HEAD // N_KV) if args.group else None
+            q = buffers.aligned_copy(rng.standard_normal((n_rows, N_HEAD, HEAD_DIM)).astype(np.float32))
             out = buffers.zeros(q.shape)
             scratch = paged.paged_attention_scratch(keys, HEAD_DIM)
-            positions, row_seq = buffers.aligned_copy(np.array([keys - 1], np.int32)), buffers.zeros(1, np.int32)
-            calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, isa=args.isa)]
+            positions = buffers.aligned_copy(np.arange(keys - n_rows, keys, dtype=np.int32))
+            row_seq = buffers.zeros(n_rows, np.int32)
+            calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratch, heads=heads,
+                                                 isa=args.isa)]
                      for k, v, t in sets]
             symbol = calls[0][0][0]
             if args.step:
@@ -121,9 +137,10 @@ def main(argv=None):
                 # a scratch per split call: on a pool two threads run them at once
                 scratches = [paged.paged_attention_scratch(keys, HEAD_DIM) for _ in range(args.step)]
                 calls = [[paged.attention_paged_call(q, k, v, positions, row_seq, t, SCALE, out, scratches[seg0],
-                                                     partials=partials, segments=(seg0, args.step), isa=args.isa)
+                                                     heads=heads, partials=partials, segments=(seg0, args.step),
+                                                     isa=args.isa)
                           for seg0 in range(args.step)]
-                         + [paged.attention_combine_call(partials, positions, t, out)]
+                         + [paged.attention_combine_call(partials, positions, t, out, heads=heads)]
                          for k, v, t in sets]
             # the reference (over q8_0 arenas it scores q's q8_0 rows, as the kernels do), and
             # for q8_0 also over the dequantized arenas: a library from before q8_0's int8
@@ -137,7 +154,7 @@ def main(argv=None):
                                buffers.aligned_copy(ref.dequantize_kv_q8(v, HEAD_DIM))))
             wants = [np.zeros(q.shape, np.float32) for _ in inputs]
             for want, (k_in, v_in) in zip(wants, inputs):
-                ref.attention_paged(q, k_in, v_in, positions, row_seq, t, SCALE, want, None)
+                ref.attention_paged(q, k_in, v_in, positions, row_seq, t, SCALE, want, None, heads=heads)
             fns = []
             for dll in dlls:
                 symbols = {}
@@ -179,8 +196,11 @@ def main(argv=None):
                 print("streams alone, ms per layer: " + ", ".join(f"lib {i}: {s * 1e3:.3f}"
                                                                   for i, s in enumerate(stream_s)))
                 best = [b - s for b, s in zip(best, stream_s)]
-            kv_bytes = 2 * sets[0][1][0, 0].nbytes * sets[0][1].shape[0] * N_KV     # K and V, every block
-            cells = [f"{s * 1e9 / (keys * N_KV):.2f} ns, {kv_bytes / s / 1e9:.1f} GB/s" for s in best]
+            kv_heads = 1 if args.group else N_KV
+            row_keys = n_rows * keys - n_rows * (n_rows - 1) // 2         # each row's keys, summed
+            # K and V of every block, as many times as rows read them
+            kv_bytes = 2 * sets[0][1][0, 0].nbytes * sets[0][1].shape[0] * kv_heads * row_keys / keys
+            cells = [f"{s * 1e9 / (row_keys * kv_heads):.2f} ns, {kv_bytes / s / 1e9:.1f} GB/s" for s in best]
             print(f"| {symbol} | {keys} | {args.layers} | {' | '.join(cells)} |", flush=True)
 
     if pool is not None:

@@ -32,8 +32,8 @@ import os
 
 import numpy as np
 
-from ...codegen.contract import (KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, kv_partial_floats,
-                                 kv_q8_row_bytes, kv_segments)
+from ...codegen.contract import (ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM,
+                                 kv_partial_floats, kv_q8_row_bytes, kv_segments)
 from .. import buffers
 from .. import cpu
 from .. import library
@@ -122,8 +122,9 @@ GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
 COMBINE_SYMBOL = "llb_attention_combine_f32__avx2"
 
 # Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
-# together, each with one score row of KV_SEGMENT floats; after them, for whole rows, the
-# partial records [segment][MAX_HEADS] of the segments one row's keys can span.
+# together, each with one score row of KV_SEGMENT floats, for ATTENTION_ROWS rows at a time
+# (a prompt's rows in pairs); after them, for whole rows, each row's partial records
+# [segment][MAX_HEADS] of the segments its keys can span.
 MAX_HEADS = 3
 SCORE_SLACK = KV_BLOCK              # floats before the score rows (a first block's early lanes)
 LANES = 16
@@ -146,14 +147,17 @@ def _check_tile():
                                              f"expects {TILE}: codegen and runtime disagree")
 
 
-TILE = f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}"    # k: key tiles, and SCORE_SLACK floats before the score rows
+# k: key tiles, and SCORE_SLACK floats before the score rows; r: rows at a time (the scratch's layout)
+TILE = f"h{MAX_HEADS}s{KV_SEGMENT}k{KV_BLOCK}r{ATTENTION_ROWS}"
 
 
 def scratch_floats(max_keys, head_dim=MAX_HEAD_DIM):
-    """SCORE_SLACK floats, the score rows, then the partial records of the segments a row of
-    max_keys keys can span (a window's keys start anywhere in a segment: one more)."""
+    """SCORE_SLACK floats, the score rows of ATTENTION_ROWS rows, then each row's partial records
+    of the segments a row of max_keys keys can span (a window's keys start anywhere in a
+    segment: one more)."""
     spans = kv_segments(max_keys) + 1
-    return SCORE_SLACK + MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(head_dim)
+    rows = ATTENTION_ROWS * MAX_HEADS
+    return SCORE_SLACK + rows * KV_SEGMENT + spans * rows * kv_partial_floats(head_dim)
 
 
 def paged_attention_scratch(max_keys, head_dim=MAX_HEAD_DIM):

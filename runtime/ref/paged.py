@@ -14,7 +14,7 @@ rows of int8 quants and f32 scales (codegen/contract.py ``kv_q8_row_bytes``), qu
 """
 import numpy as np
 
-from ...codegen.contract import KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_segments
+from ...codegen.contract import ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, kv_partial_floats, kv_segments
 
 __all__ = ["kv_store_paged", "attention_paged", "paged_attention_scratch", "gather_rows"]
 # quantize_kv_q8 / dequantize_kv_q8 / key_tiles / key_rows are module functions (not ops): the
@@ -33,7 +33,8 @@ def paged_attention_scratch(max_keys, head_dim=256):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     spans = kv_segments(int(max_keys)) + 1
-    return np.zeros(SCORE_SLACK + MAX_HEADS * KV_SEGMENT + spans * MAX_HEADS * kv_partial_floats(int(head_dim)), np.float32)
+    rows = ATTENTION_ROWS * MAX_HEADS
+    return np.zeros(SCORE_SLACK + rows * KV_SEGMENT + spans * rows * kv_partial_floats(int(head_dim)), np.float32)
 
 
 def quantize_kv_q8(x):

@@ -176,9 +176,17 @@ def _model_costs(model_path):
 
 
 def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS,
-        busy_cpu=None):
+        busy_cpu=None, prompt_sizes=PROMPT_SIZES):
     """``busy_cpu``: measure while another process spins on that CPU (the ceilings are
-    measured before it starts)."""
+    measured before it starts). ``prompt_sizes``: the prompts whose prefill is timed (the
+    first one's is the time to first token; the largest is put against the prefill ceiling);
+    the context must hold the largest and the decoded tokens after it."""
+    prompt_sizes = tuple(prompt_sizes)
+    if not prompt_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in prompt_sizes):
+        raise ValueError(f"prompt_sizes: expected positive token counts, got {prompt_sizes!r}")
+    if max(prompt_sizes) + gen_tokens > n_ctx:
+        raise ValueError(f"n_ctx: {n_ctx} positions do not hold a prompt of {max(prompt_sizes)} tokens and "
+                         f"{gen_tokens} decoded after it")
     from . import catalog, convert, default_model
     from .busy_core import busy_core, check_cpu
     if busy_cpu is not None:
@@ -214,16 +222,16 @@ def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sy
             for t in threads:
                 for e in engines:
                     print(f"[bench] {e} threads={t} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
-                    results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx, gen_tokens=gen_tokens))
+                    results[(e, t)].append(_run_child(e, model_path, gguf, t, n_ctx, prompt_sizes, gen_tokens))
 
-    rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens)
+    rows = _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens, prompt_sizes)
     report = dict(model=str(gguf), date=time.strftime("%Y-%m-%d"), machine=_machine(),
                   ceilings=dict(fma_gflops_per_core=peaks["fma"], fma_zmm_gflops_per_core=peaks["fma_zmm"],
                                 int8_gops_per_core=peaks["int8"], int8_isa=peaks["int8_isa"],
                                 read_gbs=peaks["bw"], read_gbs_at_model_size=peaks["bw_model"],
                                 prefill=peaks["prefill"][0]),
                   bytes_per_token=bytes_per_token, flops_per_token=flops_per_token, repeats=repeats,
-                  gen_tokens=gen_tokens, busy_cpu=busy_cpu,
+                  gen_tokens=gen_tokens, busy_cpu=busy_cpu, prompt_sizes=list(prompt_sizes),
                   n_ctx=n_ctx, rows=rows)
     if as_json:
         print(json.dumps(report, indent=1), file=out)
@@ -349,13 +357,14 @@ def _stat(values):
     return dict(median=statistics.median(values), min=min(values), max=max(values))
 
 
-def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens):
+def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peaks, gen_tokens,
+               prompt_sizes=PROMPT_SIZES):
     rows = []
     for t in threads:
         for e in engines:
             runs = results[(e, t)]
             row = dict(engine=e, threads=t)
-            for n in PROMPT_SIZES:
+            for n in prompt_sizes:
                 row[f"prefill{n}_tok_s"] = _stat([n / r[f"prefill{n}_s"] for r in runs])
             row["decode_tok_s"] = _stat([gen_tokens / r["decode_s"] for r in runs])
             row["ttft_ms"] = _stat([1000 * r["ttft_s"] for r in runs])
@@ -367,7 +376,9 @@ def _summarise(results, engines, threads, bytes_per_token, flops_per_token, peak
             row["decode_pct_ceiling"] = row["decode_tok_s"]["median"] / decode_ceiling
             row["decode_pct_model_read"] = (row["decode_tok_s"]["median"] * bytes_per_token
                                             / (peaks["bw_model"][t] * 1e9))
-            row["prefill512_pct_ceiling"] = row["prefill512_tok_s"]["median"] / prefill_ceiling
+            longest = max(prompt_sizes)
+            row["prefill_pct_ceiling"] = dict(prompt=longest,
+                                              pct=row[f"prefill{longest}_tok_s"]["median"] / prefill_ceiling)
             rows.append(row)
     return rows
 
@@ -390,8 +401,8 @@ def _markdown(report, engines, threads):
     if report.get("busy_cpu") is not None:
         lines.append(f"Measured with CPU {report['busy_cpu']} kept busy by another process (--busy-core)  ")
     lines.append("")
-    metrics = [("prefill128_tok_s", "prefill 128 (tok/s)", True), ("prefill512_tok_s", "prefill 512 (tok/s)", True),
-               ("decode_tok_s", f"decode {report['gen_tokens']} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
+    metrics = [(f"prefill{n}_tok_s", f"prefill {n} (tok/s)", True) for n in report.get("prompt_sizes", PROMPT_SIZES)]
+    metrics += [("decode_tok_s", f"decode {report['gen_tokens']} (tok/s)", True), ("ttft_ms", "time to first token (ms)", False),
                ("load_ms", "load (ms)", False),
                ("startup_ms", f"start-up to first token of {STARTUP_PROMPT!r} (ms)", False),
                ("peak_rss_mb", "peak RSS (MB)", False)]
@@ -415,7 +426,7 @@ def _markdown(report, engines, threads):
             r = by[(e, t)]
             lines.append(f"- {e}, {t} thread(s): decode at {r['decode_pct_ceiling']:.0%} of the bandwidth ceiling "
                          f"({r['decode_pct_model_read']:.0%} of the read rate over the model's size), "
-                         f"prefill 512 at {r['prefill512_pct_ceiling']:.0%} of the "
+                         f"prefill {r['prefill_pct_ceiling']['prompt']} at {r['prefill_pct_ceiling']['pct']:.0%} of the "
                          f"{c.get('prefill', 'INT8')} ceiling")
     return "\n".join(lines)
 

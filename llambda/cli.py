@@ -226,8 +226,18 @@ def cmd_bench(args):
         for t in threads:
             bench.run_sweep(args.model, threads=t, repeats=args.repeats)
         return 0
-    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=args.ctx or 1024, as_json=args.json,
-              busy_cpu=args.busy_core)
+    try:
+        prompts = tuple(int(n) for n in args.prompts.split(","))
+    except ValueError:
+        raise UserError(f"--prompts: expected a comma-separated list of integers, got {args.prompts!r}") from None
+    if any(n < 1 for n in prompts):
+        raise UserError(f"--prompts: every prompt must be >= 1 token, got {args.prompts!r}")
+    n_ctx = args.ctx or max(1024, max(prompts) + bench.GEN_TOKENS)
+    if max(prompts) + bench.GEN_TOKENS > n_ctx:
+        raise UserError(f"--ctx: {n_ctx} positions do not hold a prompt of {max(prompts)} tokens and the "
+                        f"{bench.GEN_TOKENS} decoded after it")
+    bench.run(args.model, threads=threads, repeats=args.repeats, n_ctx=n_ctx, as_json=args.json,
+              busy_cpu=args.busy_core, prompt_sizes=prompts)
     return 0
 
 
@@ -335,6 +345,9 @@ def build_parser():
                        help="context (default 1024; with --serve, per slot, default 512)")
     bench.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
     bench.add_argument("--sweep", action="store_true", help="decode speed at contexts 128..4096 instead")
+    bench.add_argument("--prompts", default="128,512", metavar="N,...",
+                       help="prompt sizes whose prefill is timed (default 128,512; the context grows to hold "
+                            "the largest)")
     bench.add_argument("--serve", action="store_true",
                        help="llambda serve beside llama.cpp's llama-server: aggregate tok/s and TTFT at 1..16 streams")
     bench.add_argument("--streams", default="1,4,8,16", metavar="N,...", help="with --serve: concurrent streams")

@@ -45,6 +45,27 @@ def test_bench_reports_every_figure(tiny):
     assert parsed["ceilings"]["prefill"] == "INT8" and "of the INT8 ceiling" in table
 
 
+def test_bench_times_the_prompts_asked_for(tiny):
+    """prompt_sizes (`--prompts`): a row per prompt, the first the time to first token, the
+    largest against the prefill ceiling; a context too small for the largest is refused."""
+    out = io.StringIO()
+    report = bench.run(str(tiny), threads=(1,), repeats=1, n_ctx=400, as_json=True, out=out, gen_tokens=4,
+                       prompt_sizes=(40, 300))
+    (row,) = [r for r in report["rows"] if r["engine"] == "llambda"]
+    assert set(k for k in row if k.startswith("prefill") and k.endswith("_tok_s")) == {"prefill40_tok_s",
+                                                                                       "prefill300_tok_s"}
+    assert row["prefill_pct_ceiling"]["prompt"] == 300 and row["prefill_pct_ceiling"]["pct"] > 0
+    assert report["prompt_sizes"] == [40, 300]
+    table = bench._markdown(report, ["llambda"], (1,))
+    assert "| prefill 40 (tok/s) | 1 |" in table and "| prefill 300 (tok/s) | 1 |" in table
+    assert "prefill 300 at " in table and "prefill 512" not in table
+    with pytest.raises(ValueError, match="n_ctx: 300 positions do not hold a prompt of 300 tokens"):
+        bench.run(str(tiny), threads=(1,), repeats=1, n_ctx=300, out=io.StringIO(), gen_tokens=4,
+                  prompt_sizes=(300,))
+    with pytest.raises(ValueError, match="prompt_sizes: expected positive token counts"):
+        bench.run(str(tiny), threads=(1,), repeats=1, out=io.StringIO(), prompt_sizes=(0,))
+
+
 def test_a_float_models_prefill_is_put_against_the_fma_peak(tmp_path):
     """F16 matrices run on FMAs: the prefill ceiling is the FMA peak (zmm where the CPU has it)."""
     from llambda.runtime import cpu

@@ -88,3 +88,13 @@ def test_run_prints_only_text_on_stdout(tiny):
     proc = llambda_cli("run", "--model", tiny, "--max-tokens", "4", "--seed", "1")
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stderr and "tok/s" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--prompts", "x"), "--prompts: expected a comma-separated list of integers"),
+    (("--prompts", "128,0"), "--prompts: every prompt must be >= 1 token"),
+    (("--prompts", "4096", "--ctx", "1024"), "--ctx: 1024 positions do not hold a prompt of 4096 tokens"),
+])
+def test_bench_refuses_prompts_it_cannot_time(tiny, args, needle):
+    """Checked before anything is measured (no model is converted, no ceiling probed)."""
+    assert_user_error(llambda_cli("bench", "--model", tiny, "--threads", "1", *args), needle)

@@ -143,6 +143,14 @@ class Model:
         """How many tokens the KV cache holds."""
         return len(self._cached)
 
+    def reset(self):
+        """Forget what evaluate() has cached and give its KV blocks back: its sequence holds a
+        whole context of the cache apart from generate()'s, which can then use that memory."""
+        def release():
+            self.net.release_direct()
+            self._cached.clear()
+        self.engine.call(release)
+
     # -- forward ----------------------------------------------------------------
     def logits(self, ids):
         """Logits [len(ids), vocab] of every position of ``ids``, from an empty context: every

@@ -50,7 +50,9 @@ def _measure_llambda(model_path, threads, n_ctx, prompt_sizes, gen_tokens, spawn
         out[f"prefill{n}_s"] = time.perf_counter() - t
     out["ttft_s"] = out[f"prefill{prompt_sizes[0]}_s"]
     # decode as `llambda run` does it: greedy through the engine thread; gen_tokens steps
-    # after the token that the prompt's logits give
+    # after the token that the prompt's logits give. evaluate()'s blocks go back to the pool
+    # first, so that generate()'s sequence reuses their memory (the peak RSS a run has)
+    m.reset()
     c = m.submit(ids, max_tokens=gen_tokens + 1, temperature=0.0, ignore_eos=True)
     for _ in c:
         pass

@@ -226,6 +226,14 @@ class TransformerModel:
         self.kv.filled(self._direct_blocks[pos0 // KV_BLOCK:end // KV_BLOCK])
         return np.concatenate(rows) if all_logits else logits
 
+    def release_direct(self):
+        """Give forward()'s own sequence's table and blocks back to the KV pool (they are taken
+        again, lowest first, the next time it runs): generate()'s sequences then reuse the
+        same memory instead of touching more of the cache."""
+        if self._direct_table is not None:
+            self.kv.close(self._direct_table, self._direct_blocks)
+            self._direct_table = self._direct_blocks = None
+
     def _softcapped(self, logits):
         """Gemma-style final soft-capping, c tanh(logits / c), in place (numpy: one row per token)."""
         cap = self.config.logit_softcap

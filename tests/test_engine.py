@@ -111,6 +111,24 @@ def test_greedy_generate_equals_submit_and_evaluate(shared):
     assert text_tokens == history[len(ids):]
 
 
+def test_reset_gives_evaluates_blocks_back(tiny):
+    """Model.reset(): evaluate()'s sequence (a whole context of the KV cache, apart from
+    generate()'s) forgets its tokens and gives its blocks back to the pool, where the next
+    sequence takes them; evaluate() afterwards computes the same logits again."""
+    with llambda.load(tiny, n_ctx=256, progress=False) as model:
+        kv = model.net.kv
+        ids = prompt(200, seed=4)
+        free = kv.available
+        first = model.evaluate(ids)
+        assert model.position == 200 and kv.available == free - kv.blocks_for(256)
+        model.reset()
+        assert model.position == 0 and kv.available == free
+        model.reset()                                   # nothing held: nothing to give back
+        assert kv.available == free
+        np.testing.assert_array_equal(model.evaluate(ids), first)
+        assert kv.available == free - kv.blocks_for(256)
+
+
 def test_cancel_from_another_thread_frees_the_blocks(shared):
     c = shared.submit(prompt(30, seed=1), max_tokens=10_000, seed=1, ignore_eos=True)
     got = []

@@ -324,7 +324,7 @@ def run_sweep(model=None, threads=1, repeats=1, out=sys.stdout):
         lines.append(line + " |")
     print("\n".join(lines), file=out)
     from llambda.runtime import ceilings
-    config, weight_bytes, _ = _model_costs(model_path)
+    config, weight_bytes = _model_costs(model_path)[:2]
     rates = {}
 
     def read_gbs(nbytes):

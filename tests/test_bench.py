@@ -176,6 +176,19 @@ def test_the_sweeps_floor_counts_weights_and_the_cache_up_to_the_window_middle()
     assert line.endswith(f"| {50.0 / long_f16['floor']:.2f} |")
 
 
+def test_the_sweep_runs_end_to_end(tiny, monkeypatch):
+    """run_sweep (`llambda bench --sweep`) on short contexts: a row per context with every
+    cache type, then the floor table under them."""
+    monkeypatch.setattr(bench, "SWEEP_CONTEXTS", (16, 48))
+    monkeypatch.setattr(bench, "SWEEP_TOKENS", 4)
+    out = io.StringIO()
+    rows = bench.run_sweep(str(tiny), threads=1, repeats=1, out=out)
+    assert [r["context"] for r in rows] == [16, 48]
+    assert all(r[f"llambda:{kv}"] > 0 for r in rows for kv in bench.SWEEP_KV_TYPES)
+    text = out.getvalue()
+    assert "| 48 | " in text and "| context | KV | MB per token |" in text
+
+
 def test_a_read_probe_is_rounded_to_4_mib_and_capped():
     assert bench._probe_size(1) == 4 << 20
     assert bench._probe_size((4 << 20) + 1) == 8 << 20

@@ -199,22 +199,23 @@ def cmd_fetch(args):
     return 0
 
 
+def _counts(option, text, what):
+    """A comma-separated list of positive integers given to ``option``."""
+    try:
+        counts = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise UserError(f"{option}: expected a comma-separated list of integers, got {text!r}") from None
+    if any(n < 1 for n in counts):
+        raise UserError(f"{option}: every {what} must be >= 1, got {text!r}")
+    return counts
+
+
 def cmd_bench(args):
     from . import bench
-    try:
-        threads = [int(t) for t in args.threads.split(",")]
-    except ValueError:
-        raise UserError(f"--threads: expected a comma-separated list of integers, got {args.threads!r}") from None
-    if any(t < 1 for t in threads):
-        raise UserError(f"--threads: every thread count must be >= 1, got {args.threads!r}")
+    threads = list(_counts("--threads", args.threads, "thread count"))
     if args.serve:
         from . import bench_serve
-        try:
-            streams = tuple(int(n) for n in args.streams.split(","))
-        except ValueError:
-            raise UserError(f"--streams: expected a comma-separated list of integers, got {args.streams!r}") from None
-        if any(n < 1 for n in streams):
-            raise UserError(f"--streams: every count must be >= 1, got {args.streams!r}")
+        streams = _counts("--streams", args.streams, "count")
         for t in threads:
             bench_serve.run(args.model, threads=t, parallel=args.parallel, streams=streams,
                             max_tokens=args.max_tokens, n_ctx=args.ctx or 512, repeats=args.repeats,
@@ -226,12 +227,7 @@ def cmd_bench(args):
         for t in threads:
             bench.run_sweep(args.model, threads=t, repeats=args.repeats)
         return 0
-    try:
-        prompts = tuple(int(n) for n in args.prompts.split(","))
-    except ValueError:
-        raise UserError(f"--prompts: expected a comma-separated list of integers, got {args.prompts!r}") from None
-    if any(n < 1 for n in prompts):
-        raise UserError(f"--prompts: every prompt must be >= 1 token, got {args.prompts!r}")
+    prompts = _counts("--prompts", args.prompts, "prompt size")
     n_ctx = args.ctx or max(1024, max(prompts) + bench.GEN_TOKENS)
     if max(prompts) + bench.GEN_TOKENS > n_ctx:
         raise UserError(f"--ctx: {n_ctx} positions do not hold a prompt of {max(prompts)} tokens and the "

@@ -92,7 +92,7 @@ def test_run_prints_only_text_on_stdout(tiny):
 
 @pytest.mark.parametrize("args, needle", [
     (("--prompts", "x"), "--prompts: expected a comma-separated list of integers"),
-    (("--prompts", "128,0"), "--prompts: every prompt must be >= 1 token"),
+    (("--prompts", "128,0"), "--prompts: every prompt size must be >= 1"),
     (("--prompts", "4096", "--ctx", "1024"), "--ctx: 1024 positions do not hold a prompt of 4096 tokens"),
 ])
 def test_bench_refuses_prompts_it_cannot_time(tiny, args, needle):

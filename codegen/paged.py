@@ -686,11 +686,9 @@ def emit_scores(heads, frame, pair=False):
 
 # ---------------------------------------------------------------- pass 3: out = P V
 
-def emit_pv_tile(heads, chunks, masked, frame):
-    """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
-    the key block's V rows found run by run through the block table. The first key block
-    stores, later blocks add to what out holds."""
-    accs = zeroed_vectors(frame, heads, chunks)
+def pv_first_key(frame):
+    """A P V tile's start: frame.key and frame.keys_left the key block's first key and count;
+    returns a register at its first p (head 0's score row)."""
     probs, t = gp(), gp()
     MOV(probs, frame.kb_first)
     SHL(probs, 2)
@@ -700,13 +698,15 @@ def emit_pv_tile(heads, chunks, masked, frame):
     MOV(frame.key, t)
     MOV(t, frame.kb_keys)
     MOV(frame.keys_left, t)
-    mask = None
-    if masked:
-        tail = gp()
-        MOV(tail, frame.tail)
-        mask = YMMRegister()
-        tail_mask(mask, tail)
+    return probs
 
+
+def pv_runs(frame, probs, chunks, key_body):
+    """The key block's keys, run by run through the block table (a run: the keys of one KV
+    block), ``key_body(values, stride4, scales)`` for each key: ``values`` at this tile's
+    columns of the key's V row, ``stride4`` between heads' score rows (probs at the key's p),
+    ``scales`` (q8_0) from the row to the tile's first scale. Each key asks for the lines
+    the tile reads of the V row KEY_BLOCK keys on."""
     with Loop() as runs:
         values, run, key, keys_left, hd4, stride4 = gp(), gp(), gp(), gp(), gp(), gp()
         MOV(key, frame.key)
@@ -714,6 +714,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
         block_row_address(frame, key, frame.v_head, values)
         offset = gp()
         MOV(offset, frame.offset)
+        scales = None
         if frame.q8:
             SHR(offset, 2)                           # out's f32 columns -> the arena's bytes
             scales = gp()                            # the tile's first scale from its first quant:
@@ -738,37 +739,7 @@ def emit_pv_tile(heads, chunks, masked, frame):
         MOV(hd4, frame.kd)
         MOV(stride4, frame.stride4)
         with Loop() as keys:
-            p = [frame.vec() for _ in range(heads)]
-            if not frame.q8:
-                for h in range(heads):
-                    VBROADCASTSS(p[h], row(probs, stride4, h))
-            for c in range(chunks):
-                if frame.q8:
-                    if c % frame.q8_chunks == 0:             # p times the block's scale d, per head
-                        d = frame.vec()
-                        VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
-                        p = [frame.vec() for _ in range(heads)]
-                        for h in range(heads):
-                            VBROADCASTSS(p[h], row(probs, stride4, h))
-                            VMULPS(p[h], p[h], d)
-                    vm = frame.vec()
-                    VPMOVSXBD(vm, [values + c * frame.lanes])
-                    VCVTDQ2PS(vm, vm)
-                    for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], vm)
-                elif frame.half:
-                    vm = frame.vec()
-                    VCVTPH2PS(vm, [values + c * frame.chunk // 2])
-                    for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], vm)
-                elif masked:
-                    vm = YMMRegister()
-                    VMASKMOVPS(vm, mask, [values + c * CHUNK])
-                    for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], vm)
-                else:
-                    for h in range(heads):
-                        VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
+            key_body(values, stride4, scales)
             for i in range(pv_prefetch_lines(frame, chunks)):
                 PREFETCHT1([ahead + i * CACHE_LINE])
             ADD(ahead, hd4)
@@ -779,28 +750,82 @@ def emit_pv_tile(heads, chunks, masked, frame):
         CMP(frame.keys_left, 0)
         JNE(runs.begin)
 
+
+def pv_store(frame, records, accs, mask=None):
+    """A tile's sums into the heads' partial records at ``records`` (rec4 bytes apart): stored
+    by the first key block, added to what they hold by the later ones."""
     out, hd4 = gp(), gp()
-    MOV(hd4, frame.rec4)                             # heads' partial records are rec4 bytes apart
-    MOV(out, frame.rec_heads)
+    MOV(hd4, frame.rec4)
+    MOV(out, records)
     ADD(out, frame.offset)
+    width = CHUNK if mask is not None else frame.chunk
     accumulate = Block()
     with accumulate:
         CMP(frame.kb_first, 0)
         JE(accumulate.end)
-        for h in range(heads):
-            for c in range(chunks):
-                if masked:
+        for h, per_head in enumerate(accs):
+            for c, acc in enumerate(per_head):
+                if mask is not None:
                     old = YMMRegister()
-                    VMASKMOVPS(old, mask, row(out, hd4, h, c * CHUNK))
-                    VADDPS(accs[h][c], accs[h][c], old)
+                    VMASKMOVPS(old, mask, row(out, hd4, h, c * width))
+                    VADDPS(acc, acc, old)
                 else:
-                    VADDPS(accs[h][c], accs[h][c], row(out, hd4, h, c * frame.chunk))
-    for h in range(heads):
-        for c in range(chunks):
-            if masked:
-                VMASKMOVPS(row(out, hd4, h, c * CHUNK), mask, accs[h][c])
+                    VADDPS(acc, acc, row(out, hd4, h, c * width))
+    for h, per_head in enumerate(accs):
+        for c, acc in enumerate(per_head):
+            if mask is not None:
+                VMASKMOVPS(row(out, hd4, h, c * width), mask, acc)
             else:
-                VMOVUPS(row(out, hd4, h, c * frame.chunk), accs[h][c])
+                VMOVUPS(row(out, hd4, h, c * width), acc)
+
+
+def emit_pv_tile(heads, chunks, masked, frame):
+    """out[heads, offset .. offset + chunks*8) (+)= P[heads, key block] V[key block, same columns],
+    the key block's V rows found run by run through the block table. The first key block
+    stores, later blocks add to what out holds."""
+    accs = zeroed_vectors(frame, heads, chunks)
+    probs = pv_first_key(frame)
+    mask = None
+    if masked:
+        tail = gp()
+        MOV(tail, frame.tail)
+        mask = YMMRegister()
+        tail_mask(mask, tail)
+
+    def key_body(values, stride4, scales):
+        p = [frame.vec() for _ in range(heads)]
+        if not frame.q8:
+            for h in range(heads):
+                VBROADCASTSS(p[h], row(probs, stride4, h))
+        for c in range(chunks):
+            if frame.q8:
+                if c % frame.q8_chunks == 0:             # p times the block's scale d, per head
+                    d = frame.vec()
+                    VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                    p = [frame.vec() for _ in range(heads)]
+                    for h in range(heads):
+                        VBROADCASTSS(p[h], row(probs, stride4, h))
+                        VMULPS(p[h], p[h], d)
+                vm = frame.vec()
+                VPMOVSXBD(vm, [values + c * frame.lanes])
+                VCVTDQ2PS(vm, vm)
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], p[h], vm)
+            elif frame.half:
+                vm = frame.vec()
+                VCVTPH2PS(vm, [values + c * frame.chunk // 2])
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], p[h], vm)
+            elif masked:
+                vm = YMMRegister()
+                VMASKMOVPS(vm, mask, [values + c * CHUNK])
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], p[h], vm)
+            else:
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], p[h], [values + c * frame.chunk])
+    pv_runs(frame, probs, chunks, key_body)
+    pv_store(frame, frame.rec_heads, accs, mask)
 
 
 # P V tiles of a pair: chunks of 16 columns. Row B's heads x chunks accumulators in zmm16-31,
@@ -820,78 +845,26 @@ def emit_pv_tile_pair(heads, chunks, frame):
     accs = [[next(upper, None) or frame.vec() for _ in range(chunks)] for _ in range(heads)]
     for a in sum(accs + accs_b, []):
         VXORPS(a, a, a)
-    probs, t = gp(), gp()
-    MOV(probs, frame.kb_first)
-    SHL(probs, 2)
-    ADD(probs, frame.scores)
-    MOV(t, frame.kb_first)
-    ADD(t, frame.first)
-    MOV(frame.key, t)
-    MOV(t, frame.kb_keys)
-    MOV(frame.keys_left, t)
+    probs = pv_first_key(frame)
 
-    with Loop() as runs:
-        values, run, key, keys_left, hd4, stride4 = gp(), gp(), gp(), gp(), gp(), gp()
-        MOV(key, frame.key)
-        MOV(keys_left, frame.keys_left)
-        block_row_address(frame, key, frame.v_head, values)
-        offset = gp()
-        MOV(offset, frame.offset)
-        if frame.half:
-            SHR(offset, 1)                           # out's f32 columns -> the arena's halves
-        ADD(values, offset)
-        later, ahead = gp(), gp()                    # the V row KEY_BLOCK keys on
-        LEA(later, [key + KEY_BLOCK])
-        attended_ahead(frame, later, key)
-        block_row_address(frame, later, frame.v_head, ahead)
-        ADD(ahead, offset)
-        run_length(key, keys_left, run)
-        ADD(key, run)
-        SUB(keys_left, run)
-        MOV(frame.key, key)
-        MOV(frame.keys_left, keys_left)
-        MOV(hd4, frame.kd)
-        MOV(stride4, frame.stride4)
-        with Loop() as keys:
-            p = [frame.vec() for _ in range(heads)]
-            p_b = [frame.vec() for _ in range(heads)]
-            for h in range(heads):
-                VBROADCASTSS(p[h], row(probs, stride4, h))
-                VBROADCASTSS(p_b[h], row(probs, stride4, h, ROW_B_SCORES))
-            for c in range(chunks):
-                vm = frame.vec()
-                if frame.half:
-                    VCVTPH2PS(vm, [values + c * frame.chunk // 2])
-                else:
-                    VMOVUPS(vm, [values + c * frame.chunk])
-                for h in range(heads):
-                    VFMADD231PS(accs[h][c], p[h], vm)
-                    VFMADD231PS(accs_b[h][c], p_b[h], vm)
-            for i in range(pv_prefetch_lines(frame, chunks)):
-                PREFETCHT1([ahead + i * CACHE_LINE])
-            ADD(ahead, hd4)
-            ADD(probs, FLOAT)
-            ADD(values, hd4)
-            DEC(run)
-            JNZ(keys.begin)
-        CMP(frame.keys_left, 0)
-        JNE(runs.begin)
-
-    for records, row_accs in ((frame.rec_heads, accs), (frame.rec_heads_b, accs_b)):
-        out, hd4 = gp(), gp()
-        MOV(hd4, frame.rec4)
-        MOV(out, records)
-        ADD(out, frame.offset)
-        accumulate = Block()
-        with accumulate:
-            CMP(frame.kb_first, 0)
-            JE(accumulate.end)
-            for h in range(heads):
-                for c in range(chunks):
-                    VADDPS(row_accs[h][c], row_accs[h][c], row(out, hd4, h, c * frame.chunk))
+    def key_body(values, stride4, scales):
+        p = [frame.vec() for _ in range(heads)]
+        p_b = [frame.vec() for _ in range(heads)]
         for h in range(heads):
-            for c in range(chunks):
-                VMOVUPS(row(out, hd4, h, c * frame.chunk), row_accs[h][c])
+            VBROADCASTSS(p[h], row(probs, stride4, h))
+            VBROADCASTSS(p_b[h], row(probs, stride4, h, ROW_B_SCORES))
+        for c in range(chunks):
+            vm = frame.vec()
+            if frame.half:
+                VCVTPH2PS(vm, [values + c * frame.chunk // 2])
+            else:
+                VMOVUPS(vm, [values + c * frame.chunk])
+            for h in range(heads):
+                VFMADD231PS(accs[h][c], p[h], vm)
+                VFMADD231PS(accs_b[h][c], p_b[h], vm)
+    pv_runs(frame, probs, chunks, key_body)
+    pv_store(frame, frame.rec_heads, accs)
+    pv_store(frame, frame.rec_heads_b, accs_b)
 
 
 def advance_offset(frame, chunks):
@@ -1272,6 +1245,17 @@ def emit_row_combine(heads, frame):
 
 def emit_heads(frame):
     """The next min(MAX_HEADS, heads left, heads left in the KV group) heads of this row."""
+    def variant(heads):
+        if frame.q8:
+            emit_query_quants(heads, frame)
+        emit_segments(heads, frame)
+        emit_row_combine(heads, frame)
+    emit_head_variants(frame, variant)
+
+
+def emit_head_variants(frame, emit_variant):
+    """frame.heads_count = min(MAX_HEADS, heads left, heads left in the KV group), and
+    ``emit_variant(heads)`` for each count, the one that matches run."""
     count, heads_left, group_left = gp(), gp(), gp()
     MOV(heads_left, frame.h1)
     SUB(heads_left, frame.h)
@@ -1291,10 +1275,7 @@ def emit_heads(frame):
                 if heads < MAX_HEADS:
                     CMP(count, heads)
                     JNE(variant.end)
-                if frame.q8:
-                    emit_query_quants(heads, frame)
-                emit_segments(heads, frame)
-                emit_row_combine(heads, frame)
+                emit_variant(heads)
                 JMP(done.end)
 
 
@@ -1359,45 +1340,22 @@ def swap_rows(frame, to_b):
 def emit_heads_pair(frame):
     """emit_heads for a pair of rows: the segments both see whole together, then each row's
     later segments alone (emit_segments from pair_end), then each row's combine."""
-    count, heads_left, group_left = gp(), gp(), gp()
-    MOV(heads_left, frame.h1)
-    SUB(heads_left, frame.h)
-    MOV(group_left, frame.group_end)
-    SUB(group_left, frame.h)
-    MOV(count, MAX_HEADS)
-    CMP(count, heads_left)
-    CMOVA(count, heads_left)
-    CMP(count, group_left)
-    CMOVA(count, group_left)
-    MOV(frame.heads_count, count)
-    done = Block()
-    with done:
-        for heads in range(1, MAX_HEADS + 1):
-            variant = Block()
-            with variant:
-                if heads < MAX_HEADS:
-                    CMP(count, heads)
-                    JNE(variant.end)
-                emit_pair_segments(heads, frame)
-                emit_segments(heads, frame)              # row A's segments from pair_end
-                swap_rows(frame, to_b=True)
-                emit_segments(heads, frame)              # row B's
-                emit_row_combine(heads, frame)
-                swap_rows(frame, to_b=False)
-                emit_row_combine(heads, frame)
-                JMP(done.end)
+    def variant(heads):
+        emit_pair_segments(heads, frame)
+        emit_segments(heads, frame)              # row A's segments from pair_end
+        swap_rows(frame, to_b=True)
+        emit_segments(heads, frame)              # row B's
+        emit_row_combine(heads, frame)
+        swap_rows(frame, to_b=False)
+        emit_row_combine(heads, frame)
+    emit_head_variants(frame, variant)
 
 
 def emit_row_pair(frame):
     """Heads h0..h1-1 of the current row (A) and the next (B), MAX_HEADS of a KV group at a
     time: emit_row for two rows of one sequence and no window (emit_row_keys has set up A;
     row_last_b and partial_scratch_b are B's)."""
-    t = gp()
-    for slot, start in ((frame.h, frame.h0), (frame.kv, frame.kv0), (frame.group_end, frame.group_end0)):
-        MOV(t, start)
-        MOV(slot, t)
-    with Loop() as head_groups:
-        emit_head_pointers(frame)
+    def group():
         p = gp()
         MOV(p, frame.q_heads)
         ADD(p, frame.row_stride)
@@ -1410,20 +1368,7 @@ def emit_row_pair(frame):
         ADD(p, frame.partial_scratch_b)
         MOV(frame.hbase_b, p)
         emit_heads_pair(frame)
-        h = gp()
-        MOV(h, frame.h)
-        ADD(h, frame.heads_count)
-        MOV(frame.h, h)
-        next_kv = Block()
-        with next_kv:
-            CMP(h, frame.group_end)
-            JNE(next_kv.end)
-            ADD(frame.kv, 1)
-            group = gp()
-            MOV(group, frame.group)
-            ADD(frame.group_end, group)
-        CMP(h, frame.h1)
-        JB(head_groups.begin)
+    emit_head_groups(frame, group)
 
 
 def next_row(frame, rows):
@@ -1499,12 +1444,19 @@ def emit_row(frame):
     t = gp()
     MOV(t, frame.seg0)
     MOV(frame.seg_start, t)
+    emit_head_groups(frame, lambda: emit_heads(frame))
+
+
+def emit_head_groups(frame, emit_group):
+    """Heads h0..h1-1, a tile of up to MAX_HEADS of one KV group at a time: each tile's
+    pointers (emit_head_pointers), then ``emit_group()``, which sets frame.heads_count."""
+    t = gp()
     for slot, start in ((frame.h, frame.h0), (frame.kv, frame.kv0), (frame.group_end, frame.group_end0)):
         MOV(t, start)
         MOV(slot, t)
     with Loop() as head_groups:
         emit_head_pointers(frame)
-        emit_heads(frame)
+        emit_group()
         h = gp()
         MOV(h, frame.h)
         ADD(h, frame.heads_count)

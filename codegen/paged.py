@@ -338,6 +338,7 @@ def tile_scores(heads, frame, tile, out, prefetch):
 # Row B's score rows sit this many bytes after row A's (the scratch's ATTENTION_ROWS x
 # MAX_HEADS score rows); zmm16-31 hold row B's accumulators (UpperZmmFunction).
 ROW_B_SCORES = MAX_HEADS * KV_SEGMENT * FLOAT
+assert ATTENTION_ROWS == 2, "the scratch's layout (codegen/contract.py) must match emit_row_pair's pairs"
 UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
 
 

@@ -180,12 +180,13 @@ def _model_costs(model_path):
 def run(model=None, threads=(1, 2), repeats=3, n_ctx=1024, as_json=False, out=sys.stdout, gen_tokens=GEN_TOKENS,
         busy_cpu=None, prompt_sizes=PROMPT_SIZES):
     """``busy_cpu``: measure while another process spins on that CPU (the ceilings are
-    measured before it starts). ``prompt_sizes``: the prompts whose prefill is timed (the
-    first one's is the time to first token; the largest is put against the prefill ceiling);
-    the context must hold the largest and the decoded tokens after it."""
-    prompt_sizes = tuple(prompt_sizes)
+    measured before it starts). ``prompt_sizes``: the prompts whose prefill is timed, in
+    ascending order (the smallest's is the time to first token; the decode follows the
+    largest, which is put against the prefill ceiling); the context must hold the largest and
+    the decoded tokens after it."""
     if not prompt_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in prompt_sizes):
         raise ValueError(f"prompt_sizes: expected positive token counts, got {prompt_sizes!r}")
+    prompt_sizes = tuple(sorted(set(prompt_sizes)))
     if max(prompt_sizes) + gen_tokens > n_ctx:
         raise ValueError(f"n_ctx: {n_ctx} positions do not hold a prompt of {max(prompt_sizes)} tokens and "
                          f"{gen_tokens} decoded after it")

@@ -46,15 +46,17 @@ def test_bench_reports_every_figure(tiny):
 
 
 def test_bench_times_the_prompts_asked_for(tiny):
-    """prompt_sizes (`--prompts`): a row per prompt, the first the time to first token, the
-    largest against the prefill ceiling; a context too small for the largest is refused."""
+    """prompt_sizes (`--prompts`): a row per prompt size, ascending (the smallest the time to
+    first token, the largest against the prefill ceiling); a context too small for the largest
+    is refused."""
     out = io.StringIO()
     report = bench.run(str(tiny), threads=(1,), repeats=1, n_ctx=400, as_json=True, out=out, gen_tokens=4,
-                       prompt_sizes=(40, 300))
+                       prompt_sizes=(300, 40, 300))
     (row,) = [r for r in report["rows"] if r["engine"] == "llambda"]
     assert set(k for k in row if k.startswith("prefill") and k.endswith("_tok_s")) == {"prefill40_tok_s",
                                                                                        "prefill300_tok_s"}
     assert row["prefill_pct_ceiling"]["prompt"] == 300 and row["prefill_pct_ceiling"]["pct"] > 0
+    assert row["ttft_ms"]["median"] == pytest.approx(1000 * 40 / row["prefill40_tok_s"]["median"])
     assert report["prompt_sizes"] == [40, 300]
     table = bench._markdown(report, ["llambda"], (1,))
     assert "| prefill 40 (tok/s) | 1 |" in table and "| prefill 300 (tok/s) | 1 |" in table

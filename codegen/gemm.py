@@ -54,7 +54,7 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, 
 
 from .common import Kernel, function, symbol, tail_mask
 from .contract import PANEL as NR
-from .peachpy_ext import upper_zmm_function
+from .peachpy_ext import UPPER_ZMM, upper_zmm_function
 
 ISAS = ("avx2", "avx512")
 K_UNROLL = 4          # k steps per main-loop iteration
@@ -129,9 +129,6 @@ CHUNK_F32 = False
 # 2-byte block (3 panels x k x 32 bytes) within its first 3 row tiles, of the 4 or more that
 # m >= CONVERT_MIN_ROWS gives.
 NEXT_BLOCK_LINES = 2
-
-# Accumulators of the AVX-512 tiles beyond the 16 zmm PeachPy allocates (see UpperZmmFunction).
-UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
 
 _label_ids = itertools.count()
 

@@ -44,9 +44,9 @@ from peachpy.x86_64 import (GeneralPurposeRegister64, YMMRegister, ZMMRegister, 
 
 from .common import Kernel, function, symbol, tail_mask
 from .contract import PANEL as NR
-from .gemm import (PREFETCH_DISTANCE, SIGNATURE_TAIL, TILINGS, UPPER_ZMM, Globals, PanelPointers,
+from .gemm import (PREFETCH_DISTANCE, SIGNATURE_TAIL, TILINGS, Globals, PanelPointers,
                    RowPointers, _unique, emit_k_loops, emit_rows)
-from .peachpy_ext import VDPBF16PS, upper_zmm_function
+from .peachpy_ext import UPPER_ZMM, VDPBF16PS, upper_zmm_function
 
 ISAS = ("avx512",)
 TILING = TILINGS["avx512"]

@@ -85,7 +85,7 @@ from peachpy.x86_64 import byte, word, dword
 from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_BLOCK,
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
-from .peachpy_ext import VPDPBUSD, broadcast, upper_zmm_function
+from .peachpy_ext import UPPER_ZMM, VPDPBUSD, broadcast, upper_zmm_function
 from .contract import (ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, PARTIAL_EXTRA,
                        kv_q8_row_bytes)
 from .vmath import exp_ps, first_dword
@@ -326,20 +326,25 @@ def tile_scores(heads, frame, tile, out, prefetch):
     MOV(stride4, frame.stride4)
     for h in range(heads):
         for v in range(halves):
-            a = accs[h][v]
-            while len(a) > 1:                        # (p0 + p1) + (p2 + p3)
-                for i in range(0, len(a), 2):
-                    VADDPS(a[i], a[i], a[i + 1])
-                a = a[0::2]
-            VMULPS(a[0], a[0], scale)
-            VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), a[0])
+            total = sum_partials(accs[h][v])
+            VMULPS(total, total, scale)
+            VMOVUPS(row(out, stride4, h, v * frame.lanes * FLOAT), total)
+
+
+def sum_partials(partials):
+    """(p0 + p1) + (p2 + p3): a score's partial sums added pairwise, in place; the register
+    holding the total."""
+    while len(partials) > 1:
+        for i in range(0, len(partials), 2):
+            VADDPS(partials[i], partials[i], partials[i + 1])
+        partials = partials[0::2]
+    return partials[0]
 
 
 # Row B's score rows sit this many bytes after row A's (the scratch's ATTENTION_ROWS x
 # MAX_HEADS score rows); zmm16-31 hold row B's accumulators (UpperZmmFunction).
 ROW_B_SCORES = MAX_HEADS * KV_SEGMENT * FLOAT
 assert ATTENTION_ROWS == 2, "the scratch's layout (codegen/contract.py) must match emit_row_pair's pairs"
-UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
 
 
 def tile_scores_pair(heads, frame, tile, out, prefetch):
@@ -389,13 +394,9 @@ def tile_scores_pair(heads, frame, tile, out, prefetch):
     MOV(stride4, frame.stride4)
     for base, row_accs in ((0, accs), (ROW_B_SCORES, accs_b)):
         for h in range(heads):
-            a = row_accs[h]
-            while len(a) > 1:                        # (p0 + p1) + (p2 + p3)
-                for i in range(0, len(a), 2):
-                    VADDPS(a[i], a[i], a[i + 1])
-                a = a[0::2]
-            VMULPS(a[0], a[0], scale)
-            VMOVUPS(row(out, stride4, h, base), a[0])
+            total = sum_partials(row_accs[h])
+            VMULPS(total, total, scale)
+            VMOVUPS(row(out, stride4, h, base), total)
 
 
 def q8_tile_pointers(frame, tile):
@@ -877,6 +878,12 @@ def advance_offset(frame, chunks):
 
 def emit_pv(heads, frame, pair=False):
     tile = PAIR_PV_CHUNKS if pair else (PV_CHUNKS_Q8 if frame.q8 else PV_CHUNKS)[heads]
+
+    def emit_tile(chunks):
+        if pair:
+            emit_pv_tile_pair(heads, chunks, frame)
+        else:
+            emit_pv_tile(heads, chunks, False, frame)
     # q8_0 (head_dim % 32 == 0) leaves only whole scale blocks after the full tiles
     narrower = [c for c in range(1, tile) if not frame.q8 or c % frame.q8_chunks == 0]
     t = gp()
@@ -897,10 +904,7 @@ def emit_pv(heads, frame, pair=False):
         CMP(frame.chunks_left, tile)
         JB(full_tiles.end)
         with full_tiles:
-            if pair:
-                emit_pv_tile_pair(heads, tile, frame)
-            else:
-                emit_pv_tile(heads, tile, False, frame)
+            emit_tile(tile)
             advance_offset(frame, tile)
             left = gp()
             MOV(left, frame.chunks_left)
@@ -915,10 +919,7 @@ def emit_pv(heads, frame, pair=False):
                 with width:
                     CMP(frame.chunks_left, chunks)
                     JNE(width.end)
-                    if pair:
-                        emit_pv_tile_pair(heads, chunks, frame)
-                    else:
-                        emit_pv_tile(heads, chunks, False, frame)
+                    emit_tile(chunks)
                     advance_offset(frame, chunks)
                     JMP(remainder.end)
         if frame.arena == "f32" and not frame.wide:  # f16, q8_0, AVX-512: no tail

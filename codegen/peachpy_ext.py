@@ -12,7 +12,7 @@ from collections import Counter
 import peachpy
 import peachpy.stream
 from peachpy import Argument
-from peachpy.x86_64 import Function, dword
+from peachpy.x86_64 import Function, ZMMRegister, dword
 from peachpy.x86_64.generic import CMPXCHG, XADD
 from peachpy.x86_64 import isa as peachpy_isa
 from peachpy.x86_64.encoding import evex, modrm_sib_disp
@@ -137,6 +137,10 @@ class UpperZmmFunction(Function):
             if any(count > self.LIMITS.get(kind, count) for kind, count in live.items()):
                 raise peachpy.RegisterAllocationError(
                     f"more live virtual registers than physical ones at {instruction}")
+
+
+# zmm16-31 by name, for an UpperZmmFunction's accumulators beyond the 16 PeachPy allocates.
+UPPER_ZMM = tuple(ZMMRegister(physical_id=i) for i in range(16, 32))
 
 
 def _is_upper_vector(reg):

@@ -103,7 +103,7 @@ def main(argv=None):
         from llambda.runtime.recorder import WHOLE_HEAD_CHUNKS_PER_THREAD
         args.step = WHOLE_HEAD_CHUNKS_PER_THREAD * args.threads
 
-    from llambda.runtime import buffers, library
+    from llambda.runtime import buffers, ceilings, library
     from llambda.runtime.native import paged
     from llambda.runtime.ref import paged as ref
 
@@ -114,7 +114,8 @@ def main(argv=None):
     between = f", {args.between:g} MB streamed after each layer's attention" if args.between else ""
     print(f"{threads}{between}, {'random' if args.shuffle else 'sequential'} block order; lib i = {', '.join(libs)}\n")
     pool = WorkerPool(args.threads) if pooled else None
-    streams = between_buffers(args.between, args.layers) if args.between else None
+    # one buffer of MB per layer, every page written (so reading it streams memory)
+    streams = ceilings.stream_buffers(args.layers, max(int(args.between * 2 ** 20), 1024)) if args.between else None
     per = "(row, key, KV head)" if args.rows > 1 else "(key, KV head)"
     print(f"| kernel | keys | layers | {' | '.join(f'lib {i}: ns per {per}, GB/s' for i in range(len(libs)))} |")
     print(f"|---|---|---|{'---|' * len(libs)}")
@@ -205,13 +206,6 @@ def main(argv=None):
 
     if pool is not None:
         pool.close()
-
-
-def between_buffers(mb, layers):
-    """One buffer of ``mb`` MB per layer, every page written (so reading it streams memory)."""
-    from llambda.runtime import buffers
-    floats = max(int(mb * 2 ** 20) // 4 // 256 * 256, 256)
-    return [buffers.full(floats, 1.0) for _ in range(layers)]
 
 
 def timed(run):

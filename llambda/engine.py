@@ -368,7 +368,8 @@ class Engine:
         if c.max_tokens == 0:                  # the prompt is evaluated (and cached), nothing generated
             self._end(c, "length", "max_tokens")
             return
-        logits[self.n_vocab:] = -np.inf
+        if logits.size > self.n_vocab:         # padding rows of the LM head: never drawn
+            logits[self.n_vocab:] = -np.inf
         history = c.tokens
         token = c.sampler.sample(logits, history)
         if c.t_first is None:

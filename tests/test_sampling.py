@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llambda.sampling import Sampler
+from llambda import sampling
+from llambda.sampling import DRAW_BLOCK, NEAR_BEST, Sampler
 
 VOCAB = 49152
 NO_FILTERS = dict(top_k=0, top_p=1.0, min_p=0.0)
@@ -221,9 +222,12 @@ def test_bad_option_is_a_value_error_naming_it(option, value):
     np.array([-np.inf, -np.inf], dtype=np.float32), np.zeros((2, 3), dtype=np.float32),
     np.zeros(0, dtype=np.float32),
 ])
-def test_bad_logits_are_a_value_error(logits):
+@pytest.mark.parametrize("options", [{}, {"temperature": 0}, {"temperature": 0, "repeat_penalty": 1.3},
+                                     dict(temperature=1.0, **NO_FILTERS), {"top_k": 0}])
+def test_bad_logits_are_a_value_error(logits, options):
+    # every path: greedy (one argmax finds NaN and +inf), penalised, unfiltered, filtered
     with pytest.raises(ValueError, match="^logits:"):
-        Sampler(seed=0).sample(logits)
+        Sampler(seed=0, **options).sample(logits, history=[0])
 
 
 def test_history_ids_outside_the_vocabulary_are_ignored():
@@ -254,3 +258,76 @@ def test_frequency_penalty_grows_with_the_count():
 def test_openai_penalties_out_of_range_name_the_option(option, value):
     with pytest.raises(ValueError, match=option):
         Sampler(**{option: value})
+
+
+# ---------------------------------------------------------------------------
+# The fast paths against plain numpy
+# ---------------------------------------------------------------------------
+
+def weight_arrays():
+    """float32 weights in [0, 1], at least one positive, across 1, DRAW_BLOCK +- 1 and many blocks,
+    with runs of zeros (banned tokens) and a wide range of magnitudes."""
+    sizes = st.sampled_from([1, 2, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 1, 3 * DRAW_BLOCK + 7, VOCAB])
+
+    def build(size, seed, zero_share, spread):
+        rng = np.random.default_rng(seed)
+        z = rng.standard_normal(size) * spread
+        w = np.exp(z - z.max()).astype(np.float32)          # as the sampler's: the largest is 1
+        w[rng.random(size) < zero_share] = 0.0
+        if not w.any():
+            w[rng.integers(size)] = 1.0
+        return w
+    return st.builds(build, sizes, st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.5, 0.99]),
+                     st.sampled_from([0.1, 3.0, 20.0]))
+
+
+@given(weights=weight_arrays(), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True),
+                                            st.sampled_from([0.0, 1.0 - 2.0**-53, 0.5])))
+def test_draw_is_the_sequential_cumulative_search(weights, u):
+    """_draw sums blocks, then one block: the index a float64 cumulative sum of every weight
+    picks (the first whose running sum exceeds u x total), up to the sums' last bits, and
+    never a weight of 0."""
+    i = sampling._draw(weights, u)
+    assert 0 <= i < weights.size and weights[i] > 0
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    target = u * cumulative[-1]
+    slack = 1e-12 * cumulative[-1]
+    low = int(np.searchsorted(cumulative, target - slack, side="right"))
+    high = int(np.searchsorted(cumulative, target + slack, side="right"))
+    assert low <= i <= min(high, weights.size - 1)
+
+
+def test_unfiltered_draws_follow_the_softmax_across_blocks():
+    # mass in four blocks far apart, the rest banned: 6000 draws, ~5 sigma as above
+    logits = np.full(VOCAB, -np.inf, dtype=np.float32)
+    where = [3, DRAW_BLOCK, 100 * DRAW_BLOCK + 17, VOCAB - 1]
+    logits[where] = np.log(PROBS).astype(np.float32)
+    freq = frequencies(Sampler(temperature=1.0, seed=3, **NO_FILTERS), logits, 6000)
+    assert set(freq) <= set(where)
+    for token, p in zip(where, PROBS):
+        assert abs(freq.get(token, 0.0) - p) < 0.03
+
+
+@given(seed=st.integers(0, 2**32 - 1), size=st.sampled_from([5, 300, 5000, VOCAB]),
+       scale=st.sampled_from([0.3, 3.0, 8.0, 40.0]), count=st.sampled_from([1, 40, 256, 1000]))
+def test_largest_are_the_largest(seed, size, scale, count):
+    """_largest's candidates near the best (logits within NEAR_BEST of it) or a whole
+    argpartition: the same ids as a full sort, whichever it took."""
+    logits = (np.random.default_rng(seed).standard_normal(size) * scale).astype(np.float32)
+    count = min(count, size)
+    ids = sampling._largest(logits, count, np.max(logits))
+    assert sorted(ids.tolist()) == sorted(np.argsort(-logits, kind="stable")[:count].tolist())
+
+
+def test_largest_partitions_only_the_near_candidates_when_they_are_enough(monkeypatch):
+    # a peaked distribution: 50 logits near the best, the rest far below
+    logits = np.full(VOCAB, -40.0, dtype=np.float32)
+    logits[:50] = np.linspace(10.0, 10.0 - NEAR_BEST[0] + 0.5, 50, dtype=np.float32)
+    sizes = []
+    argpartition = np.argpartition
+    monkeypatch.setattr(sampling.np, "argpartition", lambda a, k: sizes.append(a.size) or argpartition(a, k))
+    ids = sampling._largest(logits, 40, np.max(logits))
+    assert sorted(ids.tolist()) == list(range(40))
+    assert sizes == [50]
+    sampling._largest(logits, 60, np.max(logits))        # not enough near: the whole vocabulary
+    assert sizes == [50, VOCAB]

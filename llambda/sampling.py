@@ -13,6 +13,8 @@ memory again), and each whole-vocabulary pass counts: greedy is one argmax, a dr
 the whole vocabulary sums it in blocks and scans one block, and the candidates of
 top-k come from the logits near the best when enough of them are.
 """
+import bisect
+import itertools
 import math
 from numbers import Integral, Real
 
@@ -76,6 +78,16 @@ class Sampler:
             return self._greedy(logits, history)
         if not self._filters_anything(np.size(logits)):
             return self._sample_unfiltered(_checked_logits(logits), history)
+        if self._few_top_k(np.size(logits)):
+            logits, peak = _checked(logits)
+            if self._penalizes(history):
+                logits, peak = self._penalize_repeats(logits, history), None
+            ids, probabilities = self._top_k_filtered(logits, peak)
+            if len(ids) == 1:
+                return ids[0]
+            cumulative = list(itertools.accumulate(probabilities))
+            u = self._rng.random() * cumulative[-1]
+            return ids[min(bisect.bisect_right(cumulative, u), len(ids) - 1)]
         ids, probabilities = self.distribution(logits, history)
         if ids.size == 1:
             return int(ids[0])
@@ -115,9 +127,42 @@ class Sampler:
             return np.array([np.argmax(logits)]), np.ones(1)
         if not self._filters_anything(logits.size):
             return np.arange(logits.size), self._tempered(logits.astype(np.float64))
+        if self._few_top_k(logits.size):
+            ids, probabilities = self._top_k_filtered(logits)
+            return np.array(ids, dtype=np.int64), np.array(probabilities)
         ids, sorted_logits, log_total = self._sorted_candidates(logits)
         keep = min(self._top_p_count(sorted_logits, log_total), self._min_p_count(sorted_logits))
         return ids[:keep], self._tempered(sorted_logits[:keep])
+
+    def _few_top_k(self, vocab_size):
+        return 0 < self.top_k <= FEW_TOP_K and self.top_k < vocab_size
+
+    def _top_k_filtered(self, logits, peak=None):
+        """distribution()'s (ids, probabilities) for a top-k of at most FEW_TOP_K, as lists:
+        past picking the candidates, the same steps on Python floats (float64, as numpy's),
+        summed in order. ``peak``: the logits' maximum, if known."""
+        ids = _largest(logits, self.top_k, np.max(logits) if peak is None else peak)
+        values = logits[ids].tolist()
+        order = sorted(range(len(values)), key=values.__getitem__, reverse=True)   # stable, as argsort's
+        ids = ids.tolist()
+        ids, values = [ids[i] for i in order], [values[i] for i in order]
+        best = values[0]
+        keep = len(values)
+        if self.top_p < 1.0:
+            # relative to every candidate; the token that carries the sum over top_p is kept too
+            log_total = best + math.log(sum(math.exp(v - best) for v in values))
+            cumulative = 0.0
+            for i, v in enumerate(values):
+                cumulative += math.exp(v - log_total)
+                if cumulative >= self.top_p:
+                    keep = i + 1
+                    break
+        if self.min_p > 0.0:
+            floor = best + math.log(self.min_p)
+            keep = min(keep, max(1, sum(v >= floor for v in values)))
+        weights = [math.exp((v - best) / self.temperature) for v in values[:keep]]
+        total = sum(weights)
+        return ids[:keep], [w / total for w in weights]
 
     def _filters_anything(self, vocab_size):
         return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
@@ -192,6 +237,10 @@ class Sampler:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+# A top-k of at most this many runs its filters on Python floats (Sampler._top_k_filtered):
+# cold, each numpy call on a few dozen values costs several times its arithmetic.
+FEW_TOP_K = 128
 
 # How many of the most likely ids are sorted first when top-k is off.
 _FIRST_PREFIX = 256
@@ -274,7 +323,13 @@ def _check_peak(peak):
         raise ValueError("logits: every token is -inf")
 
 
-def _checked_logits(logits):
+def _checked(logits):
+    """(logits as float32, their maximum), the maximum checked."""
     logits = _as_logits(logits)
-    _check_peak(np.max(logits))
-    return logits
+    peak = np.max(logits)
+    _check_peak(peak)
+    return logits, peak
+
+
+def _checked_logits(logits):
+    return _checked(logits)[0]

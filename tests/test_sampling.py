@@ -331,3 +331,18 @@ def test_largest_partitions_only_the_near_candidates_when_they_are_enough(monkey
     assert sizes == [50]
     sampling._largest(logits, 60, np.max(logits))        # not enough near: the whole vocabulary
     assert sizes == [50, VOCAB]
+
+
+@given(seed=st.integers(0, 2**32 - 1), top_k=st.sampled_from([2, 40, sampling.FEW_TOP_K]),
+       top_p=st.sampled_from([0.5, 0.95, 1.0]), min_p=st.sampled_from([0.0, 0.05]))
+def test_few_top_k_draws_what_distribution_gives(seed, top_k, top_p, min_p):
+    """sample()'s top-k path on Python floats draws, with the same seed, the id a numpy
+    draw from distribution() picks (distribution() is checked against the full sort above)."""
+    logits = zipf_like_logits(seed, VOCAB, 0.5)
+    options = dict(temperature=0.9, top_k=top_k, top_p=top_p, min_p=min_p)
+    fast, slow = Sampler(seed=seed, **options), Sampler(seed=seed, **options)
+    for _ in range(3):
+        ids, probabilities = slow.distribution(logits)
+        cumulative = np.cumsum(probabilities)
+        pick = min(int(np.searchsorted(cumulative, slow._rng.random() * cumulative[-1], side="right")), ids.size - 1)
+        assert fast.sample(logits) == int(ids[pick])

@@ -13,15 +13,25 @@ settings.register_profile("thorough", deadline=None, max_examples=1000,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("LLAMBDA_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev"))
 
-# The suite loads hundreds of throwaway models: their recorded plans (runtime/plan_cache.py)
-# go to a directory of the run's own, inherited by the processes tests start, never into the
-# user's cache. A test of the plan cache itself picks its own.
-if not os.environ.get("LLAMBDA_PLAN_DIR"):
+# The suite loads hundreds of throwaway models. Their conversions, checksum stamps and
+# recorded plans go to a cache of the run's own (LLAMBDA_CACHE_DIR, inherited by the processes
+# tests start), never into the user's: it holds links to what the suite only reads there (the
+# downloaded models, the kernel library, llama.cpp's vocabulary fixtures). A test of a cache
+# itself picks its own directory.
+SHARED_CACHE_DIRS = ("models", "kernels", "vocab")
+
+if not os.environ.get("LLAMBDA_TEST_CACHE"):
     import atexit
     import shutil
     import tempfile
-    os.environ["LLAMBDA_PLAN_DIR"] = tempfile.mkdtemp(prefix="llambda-test-plans-")
-    atexit.register(shutil.rmtree, os.environ["LLAMBDA_PLAN_DIR"], True)
+    from llambda.runtime import paths as _paths
+    _user_cache = _paths.cache_dir()
+    _run_cache = tempfile.mkdtemp(prefix="llambda-test-cache-")
+    for _name in SHARED_CACHE_DIRS:
+        (_user_cache / _name).mkdir(parents=True, exist_ok=True)
+        os.symlink(_user_cache / _name, os.path.join(_run_cache, _name))
+    os.environ["LLAMBDA_CACHE_DIR"] = os.environ["LLAMBDA_TEST_CACHE"] = _run_cache
+    atexit.register(shutil.rmtree, _run_cache, True)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ FORMAT_VERSION = 1
 MAGIC = b"LLBPLAN\x01"
 _HEAD = struct.Struct("<8sQI4x")       # magic, length of the JSON header, CRC32 of header + payload
 CACHE_SUBDIR = "plans"
-DIR_ENV = "LLAMBDA_PLAN_DIR"            # another directory for them (the test suite's own)
+DIR_ENV = "LLAMBDA_PLAN_DIR"            # another directory for them
 MAX_SCRATCH = 1 << 31                   # floats in one attention scratch at most (a forged size is refused)
 MAX_BYTES = 256 << 20                   # the least recently used beyond this are removed when one is stored
 

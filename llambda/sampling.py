@@ -130,12 +130,8 @@ class Sampler:
         if self._few_top_k(logits.size):
             ids, probabilities = self._top_k_filtered(logits)
             return np.array(ids, dtype=np.int64), np.array(probabilities)
-        ids, sorted_logits, log_total, margin = self._sorted_candidates(logits)
-        top_p_keep = self._top_p_count(sorted_logits, log_total, margin)
-        if top_p_keep is None:      # the estimated total leaves it open: decide on the exact one
-            ids, sorted_logits, log_total, margin = self._sorted_candidates(logits, exact=True)
-            top_p_keep = self._top_p_count(sorted_logits, log_total)
-        keep = min(top_p_keep, self._min_p_count(sorted_logits))
+        ids, sorted_logits, log_total = self._sorted_candidates(logits)
+        keep = min(self._top_p_count(sorted_logits, log_total), self._min_p_count(sorted_logits))
         return ids[:keep], self._tempered(sorted_logits[:keep])
 
     def _few_top_k(self, vocab_size):
@@ -190,31 +186,25 @@ class Sampler:
 
     # Top-p and min-p each keep a prefix of the candidates sorted most likely first.
 
-    def _sorted_candidates(self, logits, exact=False):
-        """(ids, logits) of the candidates most likely first, log Σ exp(logit) over all
-        candidates (top-p's probabilities are relative to every candidate), and how far in
-        log space that total may be off (0: exact).
+    def _sorted_candidates(self, logits):
+        """(ids, logits) of the candidates most likely first, and log Σ exp(logit) over
+        all candidates (top-p's probabilities are relative to every candidate).
 
         Without top-k only a prefix long enough for top-p or min-p to stop inside
-        it is sorted: a few hundred ids instead of the whole vocabulary; and the total over
-        the whole vocabulary is estimated from float32 exps (_estimated_log_sum_exp), unless
-        ``exact``, and only when top-p needs it.
+        it is sorted: a few hundred ids instead of the whole vocabulary.
         """
         peak = np.max(logits)
         if 0 < self.top_k < logits.size:
             ids = _largest(logits, self.top_k, peak)
-            return (*_sorted_by_logit(ids, logits), _log_sum_exp(logits[ids]), 0.0)
-        log_total, margin = math.inf, 0.0              # top-p off: no probability is asked for
-        if self.top_p < 1.0:
-            log_total, margin = ((_log_sum_exp(logits, peak), 0.0) if exact
-                                 else _estimated_log_sum_exp(logits, peak))
+            return (*_sorted_by_logit(ids, logits), _log_sum_exp(logits[ids]))
+        log_total = _log_sum_exp(logits, peak)
         count = _FIRST_PREFIX
         while count < logits.size:
             ids, sorted_logits = _sorted_by_logit(_largest(logits, count, peak), logits)
             if self._decided_within(sorted_logits, log_total):
-                return ids, sorted_logits, log_total, margin
+                return ids, sorted_logits, log_total
             count *= 8
-        return (*_sorted_by_logit(np.arange(logits.size), logits), log_total, margin)
+        return (*_sorted_by_logit(np.arange(logits.size), logits), log_total)
 
     def _decided_within(self, sorted_logits, log_total):
         below_min_p = (self.min_p > 0.0
@@ -223,21 +213,12 @@ class Sampler:
                          and np.exp(sorted_logits - log_total).sum() >= self.top_p)
         return below_min_p or reaches_top_p
 
-    def _top_p_count(self, sorted_logits, log_total, margin=0.0):
-        """How many candidates top-p keeps; None when ``log_total``, off by up to ``margin``,
-        cannot tell (a running sum within that much of top_p where it crosses it)."""
+    def _top_p_count(self, sorted_logits, log_total):
         if self.top_p >= 1.0:
             return sorted_logits.size
         cumulative = np.cumsum(np.exp(sorted_logits - log_total))
-        crossing = int(np.searchsorted(cumulative, self.top_p))
-        if margin:
-            # every probability scales by one factor within exp(+-margin) of the estimate's
-            if crossing < cumulative.size and cumulative[crossing] * math.exp(-margin) < self.top_p:
-                return None
-            if crossing > 0 and cumulative[crossing - 1] * math.exp(margin) >= self.top_p:
-                return None
         # The token that carries the sum over top_p is kept too.
-        return min(crossing + 1, sorted_logits.size)
+        return min(int(np.searchsorted(cumulative, self.top_p)) + 1, sorted_logits.size)
 
     def _min_p_count(self, sorted_logits):
         if self.min_p <= 0.0:
@@ -315,21 +296,6 @@ def _largest(logits, count, peak=None):
 def _sorted_by_logit(ids, logits):
     ids = ids[np.argsort(-logits[ids], kind="stable")]
     return ids, logits[ids].astype(np.float64)
-
-
-# How far in log space _estimated_log_sum_exp may be off: its terms within 30 of the best
-# are off by float32 exp's rounding (a few ulp) and the float32 subtraction's (30 x 2^-24),
-# together under 2.5e-6 of each; the terms farther down weigh under e^-30 each, 5e-9 of the
-# total over 50k of them. Four times that, for room.
-LOG_TOTAL_MARGIN = 1e-5
-
-
-def _estimated_log_sum_exp(x, peak):
-    """(log Σ exp(x), LOG_TOTAL_MARGIN): the exps in float32, summed in float64 (numpy's
-    float64 exp of 50k values took ~0.26 ms here, the float32 one ~0.03)."""
-    with np.errstate(under="ignore"):
-        total = np.sum(np.exp(x - np.float32(peak)), dtype=np.float64)
-    return float(peak) + math.log(total), LOG_TOTAL_MARGIN
 
 
 def _log_sum_exp(x, peak=None):

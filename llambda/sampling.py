@@ -197,7 +197,8 @@ class Sampler:
         if 0 < self.top_k < logits.size:
             ids = _largest(logits, self.top_k, peak)
             return (*_sorted_by_logit(ids, logits), _log_sum_exp(logits[ids]))
-        log_total = _log_sum_exp(logits, peak)
+        # top-p's probabilities need the total (a float64 exp of every logit); min-p alone does not
+        log_total = _log_sum_exp(logits, peak) if self.top_p < 1.0 else math.inf
         count = _FIRST_PREFIX
         while count < logits.size:
             ids, sorted_logits = _sorted_by_logit(_largest(logits, count, peak), logits)

@@ -346,3 +346,12 @@ def test_few_top_k_draws_what_distribution_gives(seed, top_k, top_p, min_p):
         cumulative = np.cumsum(probabilities)
         pick = min(int(np.searchsorted(cumulative, slow._rng.random() * cumulative[-1], side="right")), ids.size - 1)
         assert fast.sample(logits) == int(ids[pick])
+
+
+def test_min_p_alone_sums_no_probabilities(monkeypatch):
+    """Without top-k and top-p, min-p compares logits only: no float64 exp of the
+    vocabulary (the slowest step of the sampler) is taken."""
+    monkeypatch.setattr(sampling, "_log_sum_exp", lambda *a: pytest.fail("summed the vocabulary"))
+    logits = zipf_like_logits(0, VOCAB, 0.5)
+    ids, _ = Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05).distribution(logits)
+    assert ids.tolist() == reference_distribution(logits, 1.0, 0, 1.0, 0.05)[0].tolist()

@@ -10,8 +10,10 @@ top-k a prefix just long enough for top-p and min-p. The engine samples between
 two steps on its own thread, after a step has pushed the interpreter out of the
 caches, so each numpy call costs several times what it does warm (code fetched from
 memory again), and each whole-vocabulary pass counts: greedy is one argmax, a draw over
-the whole vocabulary sums it in blocks and scans one block, and the candidates of
-top-k come from the logits near the best when enough of them are.
+the whole vocabulary sums it in blocks and scans one block, the candidates of top-k
+come from the logits near the best when enough of them are, and a top-k of up to
+FEW_TOP_K filters them on Python floats. Top-p without top-k still takes a float64 exp
+of every logit for its total (about a third of a millisecond cold).
 """
 import bisect
 import itertools

@@ -13,7 +13,7 @@ memory again), and each whole-vocabulary pass counts: greedy is one argmax, a dr
 the whole vocabulary sums it in blocks and scans one block, the candidates of top-k
 come from the logits near the best when enough of them are, and a top-k of up to
 FEW_TOP_K filters them on Python floats. Top-p without top-k still takes a float64 exp
-of every logit for its total (about a third of a millisecond cold).
+of every logit for its total (README, "Sampling between steps").
 """
 import bisect
 import itertools
@@ -250,8 +250,8 @@ _FIRST_PREFIX = 256
 
 
 # A whole-vocabulary draw: float64 sums of blocks of this many weights, then a cumulative
-# sum inside the one block the draw falls in (numpy's cumulative sum of 50k float32
-# weights into float64 alone took ~0.3 ms, the block sums ~0.03).
+# sum inside the one block the draw falls in (numpy's cumulative sum of every weight into
+# float64 took about ten times the block sums).
 DRAW_BLOCK = 256
 
 
@@ -278,7 +278,7 @@ def _draw(weights, u):
 # The candidates of top-k (or of the sorted prefix) come from the logits within this much
 # of the best, when at least the count wanted and at most a quarter of the vocabulary are:
 # one comparison pass and a small argpartition instead of an argpartition of everything.
-# (SmolLM2's 40th best logit sat 5.5-11.3 below its best, its 256th 9.2-14.7.)
+# (SmolLM2's 40th best logit sits a few to a dozen below its best.)
 NEAR_BEST = (8.0, 16.0)
 
 

@@ -175,15 +175,17 @@ class TransformerModel:
         every row of the step stores first. The shape is padded to a bucket (padding rows write
         only the trash block), so plans exist for few shapes."""
         mb, hb = bucket(m, self.max_batch), bucket(h, self.max_heads)
-        self.token_ids[m:mb] = 0
-        self.positions[m:mb] = 0
-        self.row_seq[m:mb] = self.kv.pad_table
-        self.head_rows[h:hb] = 0
+        if mb > m:                  # (a decode step's numpy calls are few: they run with cold caches)
+            self.token_ids[m:mb] = 0
+            self.positions[m:mb] = 0
+            self.row_seq[m:mb] = self.kv.pad_table
+        if hb > h:
+            self.head_rows[h:hb] = 0
         if not self._embed_in_plan:
             self.x[:mb] = layouts.rows(self.embedding, self.token_ids[:mb])
         if self.backend.runs_plans:
             self.start_pool()
-            keys = int(self.positions[:m].max()) + 1
+            keys = (int(self.positions[0]) if m == 1 else int(self.positions[:m].max())) + 1
             plan = self._plan(mb, hb, self._whole_heads(mb, keys))
             self.thread_choice.run(self.pool, plan.plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
             if mb > 1 and self._whole_heads(1, keys + 1):

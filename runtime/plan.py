@@ -145,6 +145,7 @@ class Plan:
         self._slots_cache = {}        # (handles, index) -> where set_int_arg_of_ops writes
         self._symbols = []            # per op: its kernel's library symbol, None for a ctypes function
         self._all_dynamic = (0, True)  # (n_ops when last counted, every op dynamic)
+        self._address_cache = None     # ((records, chunks, state), their addresses)
 
     @property
     def n_ops(self):
@@ -191,9 +192,19 @@ class Plan:
 
     def start_run(self):
         """What the pool hands the executor for the next run: the arrays (kept alive by
-        the caller while any thread may still read them) and the run's number, from 1."""
+        the caller while any thread may still read them), the run's number, from 1, and
+        the arrays' addresses (records, chunks, state)."""
         self._runs += 1
-        return self._records, self._n_ops, self._chunks, self._state, self._runs
+        return self._records, self._n_ops, self._chunks, self._state, self._runs, self._addresses()
+
+    def _addresses(self):
+        """The addresses of the records, chunks and state, kept while those arrays are the
+        plan's (they are replaced only as it grows): numpy's ``.ctypes.data`` builds an
+        object each call, and a decode step's Python runs with cold caches."""
+        arrays = (self._records, self._chunks, self._state)
+        if self._address_cache is None or any(a is not b for a, b in zip(arrays, self._address_cache[0])):
+            self._address_cache = (arrays, tuple(a.ctypes.data for a in arrays))
+        return self._address_cache[1]
 
     def reset_state(self):
         """Zero the counters after an aborted run (no thread may be running the plan)."""

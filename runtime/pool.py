@@ -110,6 +110,7 @@ class _Crew:
         self.run_plan = run_plan
         self.run_plan_timed = run_plan_timed
         self.sync = buffers.zeros(SYNC_LINE_WORDS, np.uint64)
+        self.sync_at = self.sync.ctypes.data
         self.lock = threading.Lock()
         self.start = threading.Condition(self.lock)     # workers wait here for a round
         self.done = threading.Condition(self.lock)      # settle() waits here for the others
@@ -148,9 +149,8 @@ class _Crew:
                     self.done.notify()
 
     def run_share(self, tid, plan, arrays, stamps=None):
-        records, n_ops, chunks, state, run = arrays
-        args = (records.ctypes.data, n_ops, tid, plan.n_threads, self.sync.ctypes.data, chunks.ctypes.data,
-                state.ctypes.data, run)
+        _, n_ops, _, _, run, (records_at, chunks_at, state_at) = arrays
+        args = (records_at, n_ops, tid, plan.n_threads, self.sync_at, chunks_at, state_at, run)
         if stamps is not None:
             self.run_plan_timed(*args, stamps.ctypes.data)
         else:

@@ -104,6 +104,28 @@ def test_plans_grow_past_their_initial_capacity():
     assert (dst == 3.0).all()
 
 
+def test_a_plan_grown_after_a_run_runs_on_its_new_arrays():
+    """The pool passes the records', chunks' and state's addresses it remembers from the
+    plan's last run only while those arrays are the plan's: a plan grown past its capacity
+    after a run (every array replaced) runs every op, old and new, and so does one rebuilt
+    from its parts."""
+    src, dst = buffers.full(16, 5.0), buffers.zeros(16)
+    plan = Plan(2)
+    plan.add("llb_copy_f32__avx2", chunks=[[src, dst, 16]])
+    with WorkerPool(2) as pool:
+        plan.run(pool)
+        outs = [buffers.zeros(16) for _ in range(300)]
+        for out in outs:
+            plan.add("llb_copy_f32__avx2", chunks=[[dst, out, 8], [dst[8:], out[8:], 8]])
+        plan.run(pool)
+        assert all((out == 5.0).all() for out in outs)
+        copy = Plan.from_parts(2, *plan.parts())
+        for out in outs:
+            out[:] = 0
+        copy.run(pool)
+    assert all((out == 5.0).all() for out in outs)
+
+
 @given(st.integers(1, 5000), st.integers(1, 9), st.sampled_from([1, 8, 16, 64]))
 def test_split_range_covers_the_range_in_aligned_chunks(n, n_threads, multiple):
     chunks = split_range(n, n_threads, multiple)

@@ -72,7 +72,7 @@ test: kernels
 kernel-bench: kernels bytecode
 	@env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) tools/bench_kernels.py $(ARGS)
 
-bench: kernels
+bench: kernels bytecode
 	@$(VENV)/bin/llambda bench $(ARGS)
 
 clean:

@@ -262,10 +262,9 @@ def _draw(weights, u):
     starts = np.arange(0, weights.size, DRAW_BLOCK)
     cumulative = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
     target = u * cumulative[-1]
-    block = int(np.searchsorted(cumulative, target, side="right"))
-    if block >= starts.size:               # u * total rounded up to the total
-        block = starts.size - 1
+    if target >= cumulative[-1]:           # (u < 1 keeps it below; a guard all the same)
         target = np.nextafter(cumulative[-1], 0.0)
+    block = int(np.searchsorted(cumulative, target, side="right"))
     # cumulative[block] > target: the block holds weight, and the draw falls in it
     within = weights[starts[block]:starts[block] + DRAW_BLOCK]
     inner = np.cumsum(within, dtype=np.float64)

@@ -297,6 +297,15 @@ def test_draw_is_the_sequential_cumulative_search(weights, u):
     assert low <= i <= min(high, weights.size - 1)
 
 
+def test_draw_at_the_top_of_the_range_skips_trailing_zero_weights():
+    # u * total is below the total for every u < 1; the guard for a target at the total
+    # (u = 1 here) still draws the last weighted id, not one of the banned ids after it
+    weights = np.zeros(3 * DRAW_BLOCK, np.float32)
+    weights[:32] = 1.0
+    for u in (1.0, 1.0 - 2.0**-53, 0.999999999):
+        assert sampling._draw(weights, u) == 31
+
+
 def test_unfiltered_draws_follow_the_softmax_across_blocks():
     # mass in four blocks far apart, the rest banned: 6000 draws, ~5 sigma as above
     logits = np.full(VOCAB, -np.inf, dtype=np.float32)

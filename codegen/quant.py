@@ -33,7 +33,7 @@ LANES = 8
 FLT_MAX = 3.4028234663852886e38
 
 
-GROUP = 8                  # blocks whose amax and sum share one vector (one lane each)
+GROUP = 8                  # blocks whose amax and sum share one vector (one lane each): the lanes of a ymm
 ABS_MASK = 0x7FFFFFFF
 
 
@@ -85,19 +85,21 @@ def pack_and_store(values, order, at):
 
 
 def transposed_reduce(op, per_block, tmp):
-    """GROUP vectors (any iterable, consumed in order; each block's partial values) -> one
+    """GROUP vectors (an iterator, consumed in order; each block's partial values) -> one
     vector whose lane j is block j's lanes combined with ``op``: pairs of blocks interleaved
-    and combined, then pairs of pairs, then the two 128-bit halves. Keeps at most four
-    partial vectors live, so the caller may compute each block's vector as it is asked for."""
+    and combined, then pairs of pairs, then the two 128-bit halves (three levels: GROUP = 8).
+    Keeps at most four partial vectors live, so the caller may compute each block's vector
+    as it is asked for."""
+    assert GROUP == 8
     def pair(a, b, unpack_low, unpack_high):
         unpack_high(tmp, a, b)
         unpack_low(a, a, b)
         op(a, a, tmp)
         return a
     quads = []
-    for q in range(2):
+    for _ in range(2):
         halves = []
-        for h in range(2):
+        for _ in range(2):
             a, b = next(per_block), next(per_block)
             halves.append(pair(a, b, VUNPCKLPS, VUNPCKHPS))
         quads.append(pair(halves[0], halves[1], VUNPCKLPD, VUNPCKHPD))

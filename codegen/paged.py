@@ -224,6 +224,16 @@ def new_frame(arena, isa="avx2"):
     return frame
 
 
+def bump(slot, step):
+    """slot += step (an immediate or another stack slot) through a register, which holds
+    the new value afterwards: a loop counter the driver keeps on the stack."""
+    reg = gp()
+    MOV(reg, slot)
+    ADD(reg, step)
+    MOV(slot, reg)
+    return reg
+
+
 def zeroed_vectors(frame, heads, n):
     accs = [[frame.vec() for _ in range(n)] for _ in range(heads)]
     for a in sum(accs, []):
@@ -676,10 +686,8 @@ def emit_scores(heads, frame, pair=False):
             scores = tile_scores_vnni if frame.wide else tile_scores_int8
         scores(heads, frame, tile, out, prefetch)
         ADD(frame.offset, KV_BLOCK * FLOAT)
-        block, end = gp(), gp()
-        MOV(block, frame.key)
-        ADD(block, KV_BLOCK)
-        MOV(frame.key, block)
+        block = bump(frame.key, KV_BLOCK)
+        end = gp()
         MOV(end, frame.first)
         ADD(end, frame.n_keys)
         CMP(block, end)
@@ -1206,10 +1214,7 @@ def emit_segments(heads, frame):
         emit_scores(heads, frame)
         emit_partial_softmax(heads, frame)
         emit_pv(heads, frame)
-        s = gp()
-        MOV(s, frame.seg)
-        ADD(s, frame.seg_step)
-        MOV(frame.seg, s)
+        bump(frame.seg, frame.seg_step)
         JMP(segments.begin)
 
 
@@ -1314,10 +1319,7 @@ def emit_pair_segments(heads, frame):
         emit_partial_softmax(heads, frame)
         emit_partial_softmax(heads, frame, row_b=True)
         emit_pv(heads, frame, pair=True)
-        s = gp()
-        MOV(s, frame.seg)
-        ADD(s, 1)
-        MOV(frame.seg, s)
+        s = bump(frame.seg, 1)
         CMP(s, frame.pair_end)
         JB(segments.begin)
     MOV(t, frame.pair_end)
@@ -1459,10 +1461,7 @@ def emit_head_groups(frame, emit_group):
     with Loop() as head_groups:
         emit_head_pointers(frame)
         emit_group()
-        h = gp()
-        MOV(h, frame.h)
-        ADD(h, frame.heads_count)
-        MOV(frame.h, h)
+        h = bump(frame.h, frame.heads_count)
         next_kv = Block()
         with next_kv:
             CMP(h, frame.group_end)
@@ -1750,10 +1749,7 @@ def emit_attention_combine(isa):
                 ADD(p, frame.out_row)
                 MOV(frame.combine_out, p)
                 emit_combine(frame)
-                h = gp()
-                MOV(h, frame.h)
-                ADD(h, 1)
-                MOV(frame.h, h)
+                h = bump(frame.h, 1)
                 CMP(h, frame.h1)
                 JB(heads.begin)
             MOV(t, frame.dest_step)

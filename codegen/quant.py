@@ -48,9 +48,7 @@ def quantize_one_block(values, amax, scale, inverse, tmp, order, x, qs, d, s):
     fold_lanes(VMAXPS, amax, tmp)
     scale_and_inverse(amax, scale, inverse)
     quantize_values(values, inverse)
-    VPADDD(tmp, values[0], values[1])
-    VPADDD(amax, values[2], values[3])
-    VPADDD(amax, amax, tmp)
+    sum_quants(amax, tmp, values)
     fold_lanes(VPADDD, amax, tmp, integer=True)
     VCVTDQ2PS(amax, amax)
     VMULPS(amax, amax, scale)
@@ -74,6 +72,13 @@ def quantize_values(values, inverse):
         VMINPS(v, v, Constant.float32x8(127.0))
         VMAXPS(v, v, Constant.float32x8(-127.0))
         VCVTPS2DQ(v, v)
+
+
+def sum_quants(out, spare, values):
+    """out = the four vectors of quants added lane by lane (int32, exact in any order)."""
+    VPADDD(spare, values[0], values[1])
+    VPADDD(out, values[2], values[3])
+    VPADDD(out, out, spare)
 
 
 def pack_and_store(values, order, at):
@@ -151,9 +156,7 @@ def emit_quantize_q8(isa):
                     VBROADCASTSS(inverse, [inverses_at + 4 * j])
                     quantize_values(values, inverse)
                     total = YMMRegister()
-                    VPADDD(total, values[0], values[1])
-                    VPADDD(amax, values[2], values[3])
-                    VPADDD(total, total, amax)
+                    sum_quants(total, amax, values)
                     pack_and_store(values, order, [qs + BLOCK * j])
                     yield total
             sums = transposed_reduce(VPADDD, block_sums(), tmp)

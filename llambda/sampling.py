@@ -12,8 +12,12 @@ caches, so each numpy call costs several times what it does warm (code fetched f
 memory again), and each whole-vocabulary pass counts: greedy is one argmax, a draw over
 the whole vocabulary sums it in blocks and scans one block, the candidates of top-k
 come from the logits near the best when enough of them are, and a top-k of up to
-FEW_TOP_K filters them on Python floats. Top-p without top-k still takes a float64 exp
-of every logit for its total (README, "Sampling between steps").
+FEW_TOP_K filters them on Python floats (README, "Sampling between steps").
+
+Top-p judges each candidate's share as a float32 weight exp(logit - best), the one an
+unfiltered draw uses, over the candidates' float64 total: the float64 exp of every logit
+that the total once took was most of a top-p sample's time, and a float32 exp is within
+a few parts in 10^8 of it, far finer than any top_p anyone sets. Min-p compares logits.
 """
 import bisect
 import itertools
@@ -123,17 +127,19 @@ class Sampler:
     def distribution(self, logits, history=()):
         """(ids, probabilities) that `sample` draws from: what every filter kept,
         reweighted by the temperature. Without filters the ids are the whole vocabulary."""
-        logits = _checked_logits(logits)
-        logits = self._penalize_repeats(logits, history)
+        logits, peak = _checked(logits)
+        if self._penalizes(history):
+            logits = self._penalize_repeats(logits, history)
+            peak = np.max(logits)
         if self.temperature == 0.0:
             return np.array([np.argmax(logits)]), np.ones(1)
         if not self._filters_anything(logits.size):
             return np.arange(logits.size), self._tempered(logits.astype(np.float64))
         if self._few_top_k(logits.size):
-            ids, probabilities = self._top_k_filtered(logits)
+            ids, probabilities = self._top_k_filtered(logits, peak)
             return np.array(ids, dtype=np.int64), np.array(probabilities)
-        ids, sorted_logits, log_total = self._sorted_candidates(logits)
-        keep = min(self._top_p_count(sorted_logits, log_total), self._min_p_count(sorted_logits))
+        ids, sorted_logits, shares = self._sorted_candidates(logits, peak)
+        keep = min(self._top_p_count(shares, sorted_logits.size), self._min_p_count(sorted_logits))
         return ids[:keep], self._tempered(sorted_logits[:keep])
 
     def _few_top_k(self, vocab_size):
@@ -143,7 +149,8 @@ class Sampler:
         """distribution()'s (ids, probabilities) for a top-k of at most FEW_TOP_K, as lists:
         past picking the candidates, the same steps on Python floats (float64, as numpy's),
         summed in order. ``peak``: the logits' maximum, if known."""
-        ids = _largest(logits, self.top_k, np.max(logits) if peak is None else peak)
+        peak = np.max(logits) if peak is None else peak
+        ids = _largest(logits, self.top_k, peak)
         values = logits[ids].tolist()
         order = sorted(range(len(values)), key=values.__getitem__, reverse=True)   # stable, as argsort's
         ids = ids.tolist()
@@ -152,11 +159,12 @@ class Sampler:
         keep = len(values)
         if self.top_p < 1.0:
             # relative to every candidate; the token that carries the sum over top_p is kept too
-            log_total = best + math.log(sum(math.exp(v - best) for v in values))
+            weights = _weights(logits[ids], peak).tolist()
+            reach = self.top_p * sum(weights)
             cumulative = 0.0
-            for i, v in enumerate(values):
-                cumulative += math.exp(v - log_total)
-                if cumulative >= self.top_p:
+            for i, w in enumerate(weights):
+                cumulative += w
+                if cumulative >= reach:
                     keep = i + 1
                     break
         if self.min_p > 0.0:
@@ -188,40 +196,49 @@ class Sampler:
 
     # Top-p and min-p each keep a prefix of the candidates sorted most likely first.
 
-    def _sorted_candidates(self, logits):
-        """(ids, logits) of the candidates most likely first, and log Σ exp(logit) over
-        all candidates (top-p's probabilities are relative to every candidate).
+    def _sorted_candidates(self, logits, peak):
+        """(ids, float64 logits) of the candidates most likely first, and top-p's shares of
+        them (float64, relative to every candidate; None without top-p).
 
         Without top-k only a prefix long enough for top-p or min-p to stop inside
-        it is sorted: a few hundred ids instead of the whole vocabulary.
+        it is sorted: a few hundred ids instead of the whole vocabulary. ``peak``: the
+        logits' maximum.
         """
-        peak = np.max(logits)
         if 0 < self.top_k < logits.size:
-            ids = _largest(logits, self.top_k, peak)
-            return (*_sorted_by_logit(ids, logits), _log_sum_exp(logits[ids]))
-        # top-p's probabilities need the total (a float64 exp of every logit); min-p alone does not
-        log_total = _log_sum_exp(logits, peak) if self.top_p < 1.0 else math.inf
+            ids, sorted_logits = _sorted_by_logit(_largest(logits, self.top_k, peak), logits)
+            return ids, sorted_logits, self._shares(logits[ids], peak)
+        # top-p's shares need every weight's total; min-p alone needs no weight
+        weights = _weights(logits, peak) if self.top_p < 1.0 else None
+        total = float(np.sum(weights, dtype=np.float64)) if weights is not None else None
         count = _FIRST_PREFIX
         while count < logits.size:
             ids, sorted_logits = _sorted_by_logit(_largest(logits, count, peak), logits)
-            if self._decided_within(sorted_logits, log_total):
-                return ids, sorted_logits, log_total
+            shares = _share(weights, ids, total)
+            if self._decided_within(sorted_logits, shares):
+                return ids, sorted_logits, shares
             count *= 8
-        return (*_sorted_by_logit(np.arange(logits.size), logits), log_total)
+        ids, sorted_logits = _sorted_by_logit(np.arange(logits.size), logits)
+        return ids, sorted_logits, _share(weights, ids, total)
 
-    def _decided_within(self, sorted_logits, log_total):
+    def _shares(self, candidate_logits, peak):
+        """Top-p's float64 share of each candidate among them (None without top-p)."""
+        if self.top_p >= 1.0:
+            return None
+        weights = _weights(candidate_logits, peak)
+        return weights / np.sum(weights, dtype=np.float64)
+
+    def _decided_within(self, sorted_logits, shares):
         below_min_p = (self.min_p > 0.0
                        and sorted_logits[-1] < sorted_logits[0] + math.log(self.min_p))
-        reaches_top_p = (self.top_p < 1.0
-                         and np.exp(sorted_logits - log_total).sum() >= self.top_p)
+        reaches_top_p = shares is not None and shares.sum() >= self.top_p
         return below_min_p or reaches_top_p
 
-    def _top_p_count(self, sorted_logits, log_total):
-        if self.top_p >= 1.0:
-            return sorted_logits.size
-        cumulative = np.cumsum(np.exp(sorted_logits - log_total))
+    def _top_p_count(self, shares, size):
+        if shares is None:
+            return size
+        cumulative = np.cumsum(shares)
         # The token that carries the sum over top_p is kept too.
-        return min(int(np.searchsorted(cumulative, self.top_p)) + 1, sorted_logits.size)
+        return min(int(np.searchsorted(cumulative, self.top_p)) + 1, size)
 
     def _min_p_count(self, sorted_logits):
         if self.min_p <= 0.0:
@@ -300,10 +317,15 @@ def _sorted_by_logit(ids, logits):
     return ids, logits[ids].astype(np.float64)
 
 
-def _log_sum_exp(x, peak=None):
-    if peak is None:
-        peak = np.max(x)
-    return float(peak + np.log(np.sum(np.exp(x.astype(np.float64) - peak))))
+def _share(weights, ids, total):
+    """float64 weights[ids] / total (None without weights)."""
+    return None if weights is None else weights[ids].astype(np.float64) / total
+
+
+def _weights(logits, peak):
+    """float32 exp(logit - peak): the best's weight is 1, those far below it 0."""
+    with np.errstate(under="ignore"):
+        return np.exp(logits - np.float32(peak))
 
 
 def _as_logits(logits):

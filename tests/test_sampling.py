@@ -70,18 +70,22 @@ def test_input_logits_are_not_modified():
 # ---------------------------------------------------------------------------
 
 def reference_distribution(logits, temperature, top_k, top_p, min_p):
-    """llama.cpp's chain written from its description, sorting the whole vocabulary."""
+    """llama.cpp's chain written from its description, sorting the whole vocabulary. Top-p's
+    shares are float32 weights exp(logit - best) over their float64 total (the sampler's
+    definition, sampling.py); min-p compares logits: p >= min_p * p_max as
+    logit >= best + log(min_p)."""
     order = np.argsort(-logits.astype(np.float64), kind="stable")
     if 0 < top_k < logits.size:
         order = order[:top_k]
-    kept = logits[order].astype(np.float64)
-    p = np.exp(kept - kept.max())
+    kept = logits[order]
+    p = np.exp(kept - kept.max()).astype(np.float64)        # float32 exp, then float64
     p /= p.sum()
+    kept = kept.astype(np.float64)
     if top_p < 1.0:
         reach = next(i for i, c in enumerate(np.cumsum(p)) if c >= top_p or i == p.size - 1)
-        order, kept, p = order[:reach + 1], kept[:reach + 1], p[:reach + 1]
+        order, kept = order[:reach + 1], kept[:reach + 1]
     if min_p > 0.0:
-        survive = p >= min_p * p.max()
+        survive = kept >= kept.max() + math.log(min_p)
         order, kept = order[survive], kept[survive]
     weights = np.exp((kept - kept.max()) / temperature)
     return order, weights / weights.sum()
@@ -358,9 +362,9 @@ def test_few_top_k_draws_what_distribution_gives(seed, top_k, top_p, min_p):
 
 
 def test_min_p_alone_sums_no_probabilities(monkeypatch):
-    """Without top-k and top-p, min-p compares logits only: no float64 exp of the
-    vocabulary (the slowest step of the sampler) is taken."""
-    monkeypatch.setattr(sampling, "_log_sum_exp", lambda *a: pytest.fail("summed the vocabulary"))
+    """Without top-k and top-p, min-p compares logits only: no weight of the vocabulary
+    (an exp of every logit, the slowest step of the sampler) is taken."""
+    monkeypatch.setattr(sampling, "_weights", lambda *a: pytest.fail("weighed the vocabulary"))
     logits = zipf_like_logits(0, VOCAB, 0.5)
     ids, _ = Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05).distribution(logits)
     assert ids.tolist() == reference_distribution(logits, 1.0, 0, 1.0, 0.05)[0].tolist()

@@ -32,6 +32,9 @@ from .generation import StopStrings
 # How long the engine is idle before it makes plans ahead (a request arriving then waits for
 # at most the one plan being made)
 IDLE_WARM_S = 0.25
+# How long the engine is idle before the KV cache's filled huge pages are collapsed (kv_pool.py):
+# a collapse slows the steps around it for tens of ms, so not in a busy server's short gaps
+IDLE_COLLAPSE_S = 0.25
 
 
 class EngineBusy(UserError):
@@ -234,6 +237,10 @@ class Engine:
                 with self._lock:
                     while not (self._closing or self._calls or self._running
                                or (self._waiting and self._admittable())):
+                        if self.net.kv.has_filled_pages:
+                            if not self._wake.wait(IDLE_COLLAPSE_S):
+                                self.net.kv.collapse_filled()
+                            continue
                         if not self._cold:
                             self._wake.wait()
                         elif self._warming or not self._wake.wait(IDLE_WARM_S):

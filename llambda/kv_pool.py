@@ -6,10 +6,13 @@ of every layer belongs to the same sequence, so one block table per sequence (a 
 Each layer's K (and V) arena is a view of one buffer ``[n_blocks, n_layer, ...]`` that keeps
 block b of every layer together. Free blocks are handed out lowest first and reused last
 freed first, so the blocks in use stay packed at the buffer's start. Each 2 MiB of the
-buffers whose blocks have all been written is collapsed into a huge page (``filled``,
-``buffers.collapse_huge_pages``): a long context's decode step reads tens of MB of cache,
-and in small pages much of that time is page walks. Resident memory stays what was written:
-a short context stays in small pages.
+buffers whose blocks have all been written is collapsed into a huge page (``filled``, then
+``collapse_filled`` once the engine has had nothing to run for a while): a long context's
+decode step reads tens of MB of cache, and in small pages part of that time is page walks.
+A collapse is not free, though: it waits until every CPU that faulted pages in has drained
+its lists, and under a busy worker that took 5-70 ms on a 2-vCPU VM, stalling or slowing the
+steps around it (README, "The KV cache's huge pages, when idle"); so none runs while
+sequences run. Resident memory stays what was written: a short context stays in small pages.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before
@@ -78,6 +81,7 @@ class KVPool:
         self._block_bytes = self._k_blocks[0].nbytes       # one block of every layer
         self._written = np.zeros(n_blocks, bool)            # every position of the block stored
         self._written[TRASH_BLOCK] = True                   # padding rows store there every step
+        self._filled_pages = []                             # whole huge pages not collapsed yet
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
@@ -174,7 +178,7 @@ class KVPool:
     def filled(self, blocks):
         """Note that every position of ``blocks`` has been stored (``seal`` does, for the
         engine's sequences): each huge page of the buffers whose blocks are now all written
-        is collapsed into one, once."""
+        waits for ``collapse_filled``, once."""
         size = self._block_bytes
         for block in blocks:
             if self._written[block]:
@@ -183,8 +187,23 @@ class KVPool:
             for page in range(block * size // HUGE_PAGE, ((block + 1) * size - 1) // HUGE_PAGE + 1):
                 lo, hi = page * HUGE_PAGE // size, ((page + 1) * HUGE_PAGE - 1) // size + 1
                 if hi <= self.n_blocks and self._written[lo:hi].all():
-                    for buffer in (self._k_blocks, self._v_blocks):
-                        buffers.collapse_huge_pages(buffer, page * HUGE_PAGE, (page + 1) * HUGE_PAGE)
+                    self._filled_pages.append(page)
+
+    @property
+    def has_filled_pages(self):
+        """Whether ``collapse_filled`` has pages to hand over."""
+        return bool(self._filled_pages)
+
+    def collapse_filled(self):
+        """Collapse each whole huge page of K and V that ``filled`` found written, on the
+        background thread of ``buffers.collapse_later`` (nothing waits for it). The engine
+        calls this when it has had nothing to run for a while; returns how many pages were
+        handed over."""
+        pages, self._filled_pages = self._filled_pages, []
+        for page in pages:
+            for buffer in (self._k_blocks, self._v_blocks):
+                buffers.collapse_later(buffer, page * HUGE_PAGE, (page + 1) * HUGE_PAGE)
+        return len(pages)
 
     def _take(self):
         if self._free:

@@ -307,3 +307,28 @@ def test_decode_and_prefill_give_identical_logits_at_long_contexts(tiny_long, kv
             steps.append(model.evaluate(ids[:i]).copy())
     for i, row in zip(range(n - 6, n + 1), steps):
         np.testing.assert_array_equal(row[:VOCAB], every[i - 1][:VOCAB])
+
+
+def test_the_kv_cache_is_collapsed_into_huge_pages_only_while_nothing_runs(tiny):
+    """A collapse can stall the steps around it for tens of ms (kv_pool.py), so the engine
+    hands the filled huge pages over only once it has had nothing to run for a while."""
+    with llambda.load(tiny, n_ctx=256, parallel=2, progress=False) as model:
+        engine, kv, seen = model.engine, model.net.kv, []
+        real_filled, real_collapse = kv.filled, kv.collapse_filled
+
+        def filled(blocks):                 # as if every sealed block completed a huge page
+            real_filled(blocks)
+            kv._filled_pages.append(0)
+
+        def collapse_filled():
+            seen.append(len(engine._running))
+            return real_collapse()
+
+        kv.filled, kv.collapse_filled = filled, collapse_filled
+        first = model.submit(prompt(40, seed=3), max_tokens=60, seed=3, ignore_eos=True)
+        second = model.submit(prompt(7, seed=4), max_tokens=60, seed=4, ignore_eos=True)
+        assert len(tokens_of(first)) == 60 and len(tokens_of(second)) == 60
+        deadline = time.monotonic() + TIMEOUT_S
+        while kv.has_filled_pages and time.monotonic() < deadline:    # idle now: handed over
+            time.sleep(0.01)
+        assert not kv.has_filled_pages and seen and set(seen) == {0}

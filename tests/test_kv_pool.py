@@ -168,7 +168,7 @@ def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
     """A short sequence's cache stays in small pages; a long one's fills whole huge pages,
     each collapsed once every block in it has been written (sealed), with nothing resident
     that was not written."""
-    from llambda.runtime.buffers import HUGE_PAGE
+    from llambda.runtime.buffers import HUGE_PAGE, wait_for_collapses
     skip_unless_collapsing_works()
     config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
     p = KVPool(config, 400, 2, 300 * B)                       # f32: 24 KiB a block, 9.6 MB
@@ -179,6 +179,8 @@ def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
             p.k[layer][blocks] = 1.0
             p.v[layer][blocks] = 1.0
         p.seal(blocks, keys, tokens)
+        p.collapse_filled()                 # as the engine does when it has nothing to run
+        wait_for_collapses()                # (on a background thread)
         return blocks
 
     write(list(range(5 * B)))
@@ -186,3 +188,41 @@ def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
     blocks = write(list(range(1000, 1000 + 200 * B)))      # blocks 6..205: up to 4.9 MiB
     assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 2 * HUGE_PAGE      # K's and V's first two
     assert max(blocks) == 205 and (p.k[0][1:206] == 1.0).all()
+
+
+def test_the_pool_collapses_on_a_thread_of_its_own_and_the_bytes_stay(monkeypatch):
+    """Sealing collapses nothing, and collapse_filled never waits for a collapse (one can take
+    tens of ms, README): each runs on the background thread, in the order asked, and the
+    pages read the same bytes after it."""
+    import threading
+    from llambda.runtime import buffers
+    skip_unless_collapsing_works()
+    release, asked = threading.Event(), []
+    real = buffers.collapse_huge_pages
+
+    def slow_collapse(array, start, end):
+        asked.append((threading.current_thread(), start))
+        assert release.wait(10)
+        return real(array, start, end)
+
+    monkeypatch.setattr(buffers, "collapse_huge_pages", slow_collapse)
+    config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
+    p = KVPool(config, 400, 2, 300 * B)
+    tokens = list(range(200 * B))
+    table, blocks, keys, _ = p.open(tokens, len(tokens))
+    rng = np.random.default_rng(0)
+    for layer in range(config.n_layer):
+        p.k[layer][blocks] = rng.standard_normal(p.k[layer][blocks].shape, dtype=np.float32)
+        p.v[layer][blocks] = rng.standard_normal(p.v[layer][blocks].shape, dtype=np.float32)
+    want_k, want_v = p.k[1][blocks].copy(), p.v[2][blocks].copy()
+    p.seal(blocks, keys, tokens)
+    assert asked == [] and resident_huge_bytes(p.k[0], p.v[0]) == 0   # sealing collapses nothing
+    assert p.collapse_filled() == 2                # returns with the collapses held back
+    assert p.collapse_filled() == 0                # each page once
+    release.set()
+    buffers.wait_for_collapses()
+    assert len(asked) == 4 and {t for t, _ in asked} != {threading.current_thread()}
+    assert [start for _, start in asked] == sorted(start for _, start in asked)
+    np.testing.assert_array_equal(p.k[1][blocks], want_k)
+    np.testing.assert_array_equal(p.v[2][blocks], want_v)
+    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 2 * buffers.HUGE_PAGE

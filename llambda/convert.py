@@ -10,7 +10,7 @@ one memory-mappable weight file (runtime/weightfile.py) whose metadata holds:
     tokenizer         every ``tokenizer.*`` GGUF key (full key names), verbatim but for its
                       long lists, stored as arrays "tokenizer/<key>" (llambda/tokenizer_arrays.py)
     gguf              the other GGUF keys (general.*, llama.*), for ``info``
-    source            file name and size of the GGUF it came from
+    source            file name, size and absolute path of the GGUF it came from
     packer            fingerprint of the layout code that packed the matrices
     vectors           names of 1-D tensors, stored as f32 arrays under their own name
     layouts           per 2-D tensor: {kind, n, k, meta, arrays}; its arrays are
@@ -77,7 +77,8 @@ def convert(gguf_path, out_path=None, progress=True):
         "config": config.to_dict(),
         "tokenizer": tokenizer_md,
         "gguf": {k: v for k, v in gguf_metadata.items() if not k.startswith("tokenizer.")},
-        "source": {"file": gguf_path.name, "bytes": gguf_path.stat().st_size},
+        "source": {"file": gguf_path.name, "bytes": gguf_path.stat().st_size,
+                   "path": str(gguf_path.resolve())},
         "packer": packer_fingerprint(),
         "vectors": vectors,
         "layouts": packed,
@@ -346,7 +347,8 @@ def ensure_converted(path, progress=True):
     A GGUF is converted on first use into ``<cache>/converted/<stem>-<key>.llb``,
     the key hashing its absolute path, size, mtime, the packing code and what the
     machine chooses for BF16 matrices (runtime/bf16_math.py), so an edited GGUF, a
-    changed layout or another choice gets a fresh conversion.
+    changed layout or another choice gets a fresh conversion, and the conversions of
+    the same GGUF it supersedes are removed (``_remove_superseded``).
     """
     path = Path(path)
     kind = _sniff(path)
@@ -360,7 +362,52 @@ def ensure_converted(path, progress=True):
     paths.cache_subdir("converted")
     if progress:
         print(f"llambda: converting {path} on first use (cached as {target})", file=sys.stderr)
-    return convert(path, target, progress=progress)
+    written = convert(path, target, progress=progress)
+    _remove_superseded(path, written, progress)
+    return written
+
+
+_CACHED_NAME_TAIL = re.compile(r"[0-9a-f]{16}" + re.escape(SUFFIX))
+
+
+def _remove_superseded(source, kept, progress=False):
+    """Remove the cached conversions of GGUF ``source`` other than ``kept``: no key can name
+    them again (the key holds the GGUF's path, size and mtime, the packing code and the BF16
+    choice), and each is as large as the model. A conversion is ``source``'s when it
+    records ``source``'s absolute path, or (written before conversions recorded it) when it
+    has ``source``'s file name; at worst such a one was a same-named GGUF's elsewhere, and
+    is converted again on its next use. A conversion a running process has mapped stays
+    readable there: removing a file only unlinks its name. Best effort: what cannot be read
+    or removed stays."""
+    source = Path(source).resolve()
+    prefix = f"{source.stem}-"
+    removed = []
+    for old in Path(kept).parent.iterdir():
+        if (old.name == Path(kept).name or not old.name.startswith(prefix)
+                or not _CACHED_NAME_TAIL.fullmatch(old.name[len(prefix):])):
+            continue
+        try:
+            recorded = weightfile.open_weights(old).metadata.get("source")
+        except weightfile.WeightFileError:
+            continue
+        if not isinstance(recorded, dict):
+            continue
+        ours = (recorded["path"] == str(source) if "path" in recorded
+                else recorded.get("file") == source.name)
+        if not ours:
+            continue
+        stamp = integrity.stamp_path(old)
+        try:
+            old.unlink()
+        except OSError:
+            continue
+        removed.append(old.name)
+        if stamp is not None:
+            stamp.unlink(missing_ok=True)
+    if removed and progress:
+        print(f"llambda: removed {len(removed)} earlier conversion(s) of {source.name} from the cache: "
+              + ", ".join(removed), file=sys.stderr)
+    return removed
 
 
 def _cache_key(path):

@@ -24,7 +24,8 @@ from .errors import UserError
 STAMP_DIR = "verified"
 
 
-def _stamp(path):
+def stamp_path(path):
+    """Where the stamp that says ``path`` was verified lives (None if ``path`` is unreadable)."""
     try:
         st = os.stat(path)
     except OSError:
@@ -35,14 +36,14 @@ def _stamp(path):
 
 
 def is_verified(path):
-    stamp = _stamp(path)
+    stamp = stamp_path(path)
     return stamp is not None and stamp.exists()
 
 
 def record_verified(path):
     """Leave the stamp that says ``path``'s checksums matched (best effort: a read-only
     cache only means verifying again next time)."""
-    stamp = _stamp(path)
+    stamp = stamp_path(path)
     if stamp is None:
         return
     try:

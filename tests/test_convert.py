@@ -2,6 +2,7 @@
 all on tiny models written here with gguf.GGUFWriter: offline and fast."""
 import hashlib
 import os
+import shutil
 import subprocess
 import zipfile
 
@@ -284,6 +285,39 @@ def test_ensure_converted_caches_by_identity(f32_layouts, tiny_gguf, private_cac
     monkeypatch.setattr(convert, "convert", real_convert)
     second = convert.ensure_converted(gguf_path, progress=False)
     assert second != first and second.exists()
+
+
+def test_a_new_conversion_removes_the_ones_it_supersedes(f32_layouts, tiny_gguf, tmp_path, private_cache):
+    """An edited GGUF (or new packing code) converts again; the earlier conversion of the same
+    file, which no key can name again, goes with its verified stamp. A same-named GGUF's in
+    another directory stays, as do other names; one written before conversions recorded
+    their source's path is told by the file name."""
+    from llambda import integrity
+    gguf_path, _ = tiny_gguf
+    first = convert.ensure_converted(gguf_path, progress=False)
+    stamp = integrity.stamp_path(first)
+    assert stamp.exists()
+    assert convert.weightfile.open_weights(first).metadata["source"]["path"] == str(gguf_path.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    namesake = convert.ensure_converted(shutil.copy(gguf_path, elsewhere / gguf_path.name), progress=False)
+    assert namesake != first
+    # a conversion from before the path was recorded: this GGUF's name only
+    legacy = private_cache / "converted" / "tiny-0123456789abcdef.llb"
+    w = convert.weightfile.open_weights(first)
+    metadata = dict(w.metadata, source={"file": "tiny.gguf", "bytes": 1})
+    convert.weightfile.write(legacy, metadata, {name: w[name] for name in w})
+    unrelated = [private_cache / "converted" / name for name in ("tiny-v2-0123456789abcdef.llb", "tiny-notakey.llb")]
+    for path in unrelated:
+        path.write_bytes(legacy.read_bytes())
+
+    stat = gguf_path.stat()
+    os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))   # "edited"
+    second = convert.ensure_converted(gguf_path, progress=False)
+    assert second.exists() and second not in (first, namesake)
+    assert not first.exists() and not stamp.exists() and not legacy.exists()
+    assert namesake.exists() and all(path.exists() for path in unrelated)
+    assert convert.ensure_converted(elsewhere / gguf_path.name, progress=False) == namesake
 
 
 def test_ensure_converted_detects_by_magic_not_extension(f32_layouts, tiny_gguf, tmp_path):

@@ -11,8 +11,8 @@ buffers whose blocks have all been written is collapsed into a huge page (``fill
 decode step reads tens of MB of cache, and in small pages part of that time is page walks.
 A collapse is not free, though: it waits until every CPU that faulted pages in has drained
 its lists, and under a busy worker that took 5-70 ms on a 2-vCPU VM, stalling or slowing the
-steps around it (README, "The KV cache's huge pages, when idle"); so none runs while
-sequences run. Resident memory stays what was written: a short context stays in small pages.
+steps around it (README, "The KV cache in 2 MiB pages"); so none runs while sequences
+run. Resident memory stays what was written: a short context stays in small pages.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before

@@ -9,10 +9,9 @@ freed first, so the blocks in use stay packed at the buffer's start. Each 2 MiB 
 buffers whose blocks have all been written is collapsed into a huge page (``filled``, then
 ``collapse_filled`` once the engine has had nothing to run for a while): a long context's
 decode step reads tens of MB of cache, and in small pages part of that time is page walks.
-A collapse is not free, though: it waits until every CPU that faulted pages in has drained
-its lists, and under a busy worker that took 5-70 ms on a 2-vCPU VM, stalling or slowing the
-steps around it (README, "The KV cache in 2 MiB pages"); so none runs while sequences
-run. Resident memory stays what was written: a short context stays in small pages.
+A collapse is not free, though: with the pool's threads on both cores of a 2-vCPU VM one
+took 5-70 ms (0.5 ms in a process of one thread), stalling or slowing the steps around it
+(README, "The KV cache in 2 MiB pages"); so none runs while sequences run. Resident memory stays what was written: a short context stays in small pages.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before

@@ -74,12 +74,10 @@ _LIBC.madvise.restype = ctypes.c_int
 class _Collapser:
     """One daemon thread that runs ``collapse_huge_pages`` for ``collapse_later``, in order.
 
-    A collapse first drains the per-CPU lists of recently faulted pages on every CPU that
-    has some, and on a CPU busy with another of our threads (a pool worker in the middle of a
-    step) that waits until the kernel gets to run there: on a 2-vCPU VM one collapse took
-    5-70 ms against 0.5 ms in a process with one thread. On the engine thread that stalled
-    every stream for as long; here only this thread waits. A queued request holds its array,
-    so the mapping lives until the collapse is done."""
+    On a 2-vCPU VM one collapse took 5-70 ms once a process's threads had run on both
+    cores, against 0.5 ms in a process of one thread (most likely the kernel draining each
+    CPU's lists of newly faulted pages first); here only this thread waits for it. A queued
+    request holds its array, so the mapping lives until the collapse is done."""
 
     def __init__(self):
         self._requests = queue.Queue()

@@ -83,7 +83,7 @@ class Sampler:
         if self.temperature == 0.0:
             return self._greedy(logits, history)
         if not self._filters_anything(np.size(logits)):
-            return self._sample_unfiltered(_checked_logits(logits), history)
+            return self._sample_unfiltered(*_checked(logits), history)
         if self._few_top_k(np.size(logits)):
             logits, peak = _checked(logits)
             if self._penalizes(history):
@@ -112,17 +112,17 @@ class Sampler:
         _check_peak(logits[best])
         return best
 
-    def _sample_unfiltered(self, logits, history):
+    def _sample_unfiltered(self, logits, peak, history):
         """Draw from softmax(logits / T) over the whole vocabulary (the server's default,
         temperature only): float32 weights, float64 sums, so no id's share is lost to
-        rounding."""
-        logits = self._penalize_repeats(logits, history)
+        rounding. ``peak``: the logits' maximum."""
+        if self._penalizes(history):
+            logits = self._penalize_repeats(logits, history)
+            peak = np.max(logits)
         scale = 1.0 / self.temperature
         if not scale < _FLOAT32_MAX:           # a temperature this small leaves only the best
             return int(np.argmax(logits))
-        with np.errstate(over="ignore"):       # far below the best: -inf, a weight of 0
-            weights = np.exp((logits - np.max(logits)) * np.float32(scale))
-        return _draw(weights, self._rng.random())
+        return _draw(_weights(logits, peak, scale), self._rng.random())
 
     def distribution(self, logits, history=()):
         """(ids, probabilities) that `sample` draws from: what every filter kept,
@@ -322,10 +322,14 @@ def _share(weights, ids, total):
     return None if weights is None else weights[ids].astype(np.float64) / total
 
 
-def _weights(logits, peak):
-    """float32 exp(logit - peak): the best's weight is 1, those far below it 0."""
-    with np.errstate(under="ignore"):
-        return np.exp(logits - np.float32(peak))
+def _weights(logits, peak, scale=1.0):
+    """float32 exp((logit - peak) * scale): the best's weight is 1, those far below it 0
+    (``scale``: 1 / temperature, below float32's maximum; 1 multiplies nothing)."""
+    with np.errstate(over="ignore", under="ignore"):    # far below the best: -inf, a weight of 0
+        shifted = logits - np.float32(peak)
+        if scale != 1.0:
+            shifted *= np.float32(scale)
+        return np.exp(shifted, out=shifted)
 
 
 def _as_logits(logits):

@@ -367,7 +367,8 @@ def ensure_converted(path, progress=True):
     return written
 
 
-_CACHED_NAME_TAIL = re.compile(r"[0-9a-f]{16}" + re.escape(SUFFIX))
+CACHE_KEY_HEX = 16                   # hex digits of a conversion's cache key (its file name's tail)
+_CACHED_NAME_TAIL = re.compile(f"[0-9a-f]{{{CACHE_KEY_HEX}}}" + re.escape(SUFFIX))
 
 
 def _remove_superseded(source, kept, progress=False):
@@ -418,7 +419,7 @@ def _cache_key(path):
     except ValueError as e:
         raise UserError(str(e)) from None
     identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{packer_fingerprint()}\0{choice}"
-    return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:CACHE_KEY_HEX]
 
 
 def _sniff(path):

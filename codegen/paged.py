@@ -30,7 +30,9 @@ computed the kernel prefetches the K tile PREFETCH_BLOCKS blocks on (and, for th
 segment's first KEY_BLOCK keys, the block's V rows), a few lines per step of the dimension
 loop; P V prefetches the V rows KEY_BLOCK keys on, per key the lines its tile reads: a long
 cache does not fit the caches near the core, its blocks sit anywhere, and each pass asks for what it
-reads next rather than the scores pass for both.
+reads next rather than the scores pass for both. The zmm kernel of a q8_0 arena asks
+further ahead, into L1, and its P V also asks for the next segment's K tiles
+(Q8_PREFETCH_BLOCKS).
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
 f16 converted and q8_0 values dequantized as they load) and the softmax on zmm up to the
@@ -72,7 +74,7 @@ from types import SimpleNamespace
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB, CMOVAE, CMOVGE,
-                            PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            PREFETCHT0, PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS,
@@ -102,10 +104,11 @@ INDEX = 4                      # bytes of an int32 position, sequence or block i
 # values. f16 arenas need head_dim % 8 == 0 (no masked half loads; the binding checks).
 # A q8_0 arena (codegen/contract.py) holds rows of head_dim int8 quants then one f32 scale
 # per 32. Its scores are int8 dot products with q quantized the same way (tile_scores_vnni,
-# tile_scores_int8); P V takes each key's p times its V block's scale d once per head and
-# block (an f32 product), then FMAs it with the block's quants as f32 (VPMOVSXBD, VCVTDQ2PS,
-# exact): one multiply per head and block of 32 where d * q took one per 8 values. It
-# needs head_dim % 32 == 0.
+# tile_scores_int8); P V widens each V chunk's quants to f32 (VPMOVSXBD, VCVTDQ2PS, exact),
+# then on AVX2 takes each key's p times its V block's scale d once per head and block (an
+# f32 product) and FMAs it with the quants, and on AVX-512 multiplies the chunk by d once
+# (shared by the heads) and FMAs it with each head's p (other bits than AVX2's, as the
+# other zmm passes). It needs head_dim % 32 == 0.
 ARENA_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 ARENA_C_TYPES = {"f16": "uint16_t", "q8_0": "uint8_t"}
 ROUND_NEAREST_EVEN = 0
@@ -212,6 +215,8 @@ def new_frame(arena, isa="avx2"):
     frame.arena = arena
     frame.half = arena == "f16"
     frame.q8 = arena == "q8_0"
+    frame.q8_ahead = frame.q8 and isa == "avx512"
+    frame.prefetch = PREFETCHT0 if frame.q8_ahead else PREFETCHT1
     frame.head_dim = LocalVariable(8)
     frame.wide = isa == "avx512"
     frame.lanes = 16 if frame.wide else LANES
@@ -253,7 +258,13 @@ def key_vector(frame, out, at):
 
 
 CACHE_LINE = 64
-PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
+# K tiles asked for this many blocks ahead: 2, and on a q8_0 arena's zmm kernel
+# (frame.q8_ahead) 4, into L1 (frame.prefetch = PREFETCHT0), and with P V asking for the next
+# segment's K tiles (pv_runs). Its blocks' scores take a third of an f16 block's time, and
+# its P V, the kernel's long pass, stalled on loads from L2. Measured (README, "q8_0
+# attention from memory"): better on the zmm kernel, worse on the AVX2 one, which keeps 2.
+PREFETCH_BLOCKS = 2
+Q8_PREFETCH_BLOCKS = 4
 # P V asks for the V rows KEY_BLOCK keys on while it multiplies this block's: each pass of a
 # tile asks, per key, for the lines of that key's row the tile itself reads (pv_prefetch_lines),
 # so the passes of a row's columns together ask for the row once. The scores pass asks for a
@@ -269,13 +280,13 @@ def pv_prefetch_lines(frame, chunks):
     return max(1, chunks * frame.lanes * element // CACHE_LINE)
 
 
-def prefetch_share(pointers, lines):
-    """PREFETCHT1 ``lines`` lines at each of ``pointers`` (then advanced): a share
+def prefetch_share(frame, pointers, lines):
+    """frame.prefetch ``lines`` lines at each of ``pointers`` (then advanced): a share
     of the next tiles spread over the dimension loop, so the requests trickle out between the
     FMAs instead of stalling the core in a burst when the fill buffers run out."""
     for pointer in pointers:
         for i in range(lines):
-            PREFETCHT1([pointer + i * CACHE_LINE])
+            frame.prefetch([pointer + i * CACHE_LINE])
         ADD(pointer, lines * CACHE_LINE)
 
 
@@ -317,7 +328,7 @@ def tile_scores(heads, frame, tile, out, prefetch):
     groups = Loop()
     JZ(groups.end)                                   # f32 head_dim 1
     with groups:
-        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        prefetch_share(frame, prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
         dims(partials)
         ADD(kp, partials * KV_BLOCK * e)
         ADD(qd, partials * FLOAT)
@@ -390,7 +401,7 @@ def tile_scores_pair(heads, frame, tile, out, prefetch):
     MOV(count, frame.head_dim)
     SHR(count, partials.bit_length() - 1)
     with Loop() as groups:                           # head_dim % 16 == 0: at least one group
-        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        prefetch_share(frame, prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
         dims(partials)
         ADD(kp, partials * KV_BLOCK * e)
         ADD(qd, partials * FLOAT)
@@ -459,7 +470,7 @@ def tile_scores_vnni(heads, frame, tile, out, prefetch):
     VBROADCASTI64X4(lanes, Constant.uint32x8(*TRANSPOSE_BYTES[:8]))
     VPBROADCASTD(bias, first_dword(Constant.uint32x8(0x80808080)))
     with Loop() as blocks:
-        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        prefetch_share(frame, prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
         chains = [[ZMMRegister(), ZMMRegister()] for _ in range(heads)]
         for h in range(heads):
             VPBROADCASTD(chains[h][0], [sums + h * stride])
@@ -519,7 +530,7 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
             VMOVUPS(row(out, stride4, h, half * CHUNK), zero)
     kp, scales, quants, query_scales, count = q8_tile_pointers(frame, tile)
     with Loop() as blocks:
-        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        prefetch_share(frame, prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
         sums = [[YMMRegister(), YMMRegister()] for _ in range(heads)]
         for pair in sum(sums, []):
             VPXOR(pair, pair, pair)
@@ -649,7 +660,7 @@ def prefetch_targets(frame, key):
     into = gp()
     MOV(into, block)
     SUB(into, frame.first)                           # keys into the segment (negative: its first block)
-    ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
+    ADD(block, (Q8_PREFETCH_BLOCKS if frame.q8_ahead else PREFETCH_BLOCKS) * KV_BLOCK)
     attended_ahead(frame, block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.k_head, k_tile)
@@ -741,6 +752,17 @@ def pv_runs(frame, probs, chunks, key_body):
         attended_ahead(frame, later, key)
         block_row_address(frame, later, frame.v_head, ahead)
         ADD(ahead, offset)                           # this tile's columns of that row
+        if frame.q8_ahead:
+            # A q8_0 segment's scores pass reads its K tiles faster than one core's memory
+            # delivers them, while P V computes for longer on fewer bytes: P V asks for the
+            # next segment's K tile of this key's block, a key's share of it per key: the tile
+            # is KV_BLOCK shares of kd bytes, and the lines of each share's first byte and of
+            # 64 bytes on cover it while kd <= 128 (head_dim <= 112; a wider tile's other
+            # lines come with the scores pass's own requests).
+            k_ahead = gp()
+            LEA(later, [key + KV_SEGMENT])
+            attended_ahead(frame, later, key)
+            block_row_address(frame, later, frame.k_head, k_ahead)
         run_length(key, keys_left, run)
         ADD(key, run)
         SUB(keys_left, run)
@@ -751,8 +773,12 @@ def pv_runs(frame, probs, chunks, key_body):
         with Loop() as keys:
             key_body(values, stride4, scales)
             for i in range(pv_prefetch_lines(frame, chunks)):
-                PREFETCHT1([ahead + i * CACHE_LINE])
+                frame.prefetch([ahead + i * CACHE_LINE])
             ADD(ahead, hd4)
+            if frame.q8_ahead:                       # the next segment's K tile, this key's share
+                for i in range(2):
+                    frame.prefetch([k_ahead + i * CACHE_LINE])
+                ADD(k_ahead, hd4)
             ADD(probs, FLOAT)
             ADD(values, hd4)
             DEC(run)
@@ -808,7 +834,20 @@ def emit_pv_tile(heads, chunks, masked, frame):
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
         for c in range(chunks):
-            if frame.q8:
+            if frame.q8 and frame.wide:
+                # d v once per chunk, shared by the heads, then each head's p broadcast
+                # straight from its score row: 26 ops a key at head_dim 64 and 3 heads where
+                # p d per head and block took 34 (the FMA pipes run 16 zmm ops a key, not 18)
+                if c % frame.q8_chunks == 0:
+                    d = frame.vec()
+                    VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                vm = frame.vec()
+                VPMOVSXBD(vm, [values + c * frame.lanes])
+                VCVTDQ2PS(vm, vm)
+                VMULPS(vm, vm, d)
+                for h in range(heads):
+                    VFMADD231PS(accs[h][c], vm, broadcast(row(probs, stride4, h)))
+            elif frame.q8:
                 if c % frame.q8_chunks == 0:             # p times the block's scale d, per head
                     d = frame.vec()
                     VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])

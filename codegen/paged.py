@@ -30,9 +30,8 @@ computed the kernel prefetches the K tile PREFETCH_BLOCKS blocks on (and, for th
 segment's first KEY_BLOCK keys, the block's V rows), a few lines per step of the dimension
 loop; P V prefetches the V rows KEY_BLOCK keys on, per key the lines its tile reads: a long
 cache does not fit the caches near the core, its blocks sit anywhere, and each pass asks for what it
-reads next rather than the scores pass for both. The zmm kernel of a q8_0 arena asks
-further ahead, into L1, and its P V also asks for the next segment's K tiles
-(Q8_PREFETCH_BLOCKS).
+reads next rather than the scores pass for both. The zmm kernel of a q8_0 arena's P V also
+asks for the next segment's K tiles.
 
 The avx512 variant runs the scores and P V passes on zmm (16 lanes, head_dim % 16 == 0,
 f16 converted and q8_0 values dequantized as they load) and the softmax on zmm up to the
@@ -74,7 +73,7 @@ from types import SimpleNamespace
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
                             RETURN, MOV, MOVZX, LEA, ADD, SUB, IMUL, SHL, SHR, AND, CMP, TEST, DEC, CMOVA,
                             JA, JB, JAE, JE, JNE, JZ, JNZ, JMP, XOR, NEG, CMOVB, CMOVAE, CMOVGE,
-                            PREFETCHT0, PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
+                            PREFETCHT1, VMOVUPS, VMOVSS, VMASKMOVPS, VBROADCASTSS, VXORPS, VCVTTSS2SI,
                             VFMADD231PS, VADDPS, VMULPS, VCVTPH2PS, VCVTPS2PH, VEXTRACTF64X4,
                             VPMOVSXBD, VCVTDQ2PS, VCVTPS2DQ, VPACKSSDW, VPACKSSWB, VMOVQ, VEXTRACTI128,
                             VANDPS, VMAXPS, VDIVPS, VCMPPS, VMOVAPS, VSUBPS, VBLENDVPS,
@@ -215,8 +214,9 @@ def new_frame(arena, isa="avx2"):
     frame.arena = arena
     frame.half = arena == "f16"
     frame.q8 = arena == "q8_0"
+    # P V asks for the next segment's K tiles (pv_runs): measured on the zmm q8_0 kernel
+    # only (README, "q8_0 attention from memory")
     frame.q8_ahead = frame.q8 and isa == "avx512"
-    frame.prefetch = PREFETCHT0 if frame.q8_ahead else PREFETCHT1
     frame.head_dim = LocalVariable(8)
     frame.wide = isa == "avx512"
     frame.lanes = 16 if frame.wide else LANES
@@ -258,13 +258,7 @@ def key_vector(frame, out, at):
 
 
 CACHE_LINE = 64
-# K tiles asked for this many blocks ahead: 2, and on a q8_0 arena's zmm kernel
-# (frame.q8_ahead) 4, into L1 (frame.prefetch = PREFETCHT0), and with P V asking for the next
-# segment's K tiles (pv_runs). Its blocks' scores take a third of an f16 block's time, and
-# its P V, the kernel's long pass, stalled on loads from L2. Measured (README, "q8_0
-# attention from memory"): better on the zmm kernel, worse on the AVX2 one, which keeps 2.
-PREFETCH_BLOCKS = 2
-Q8_PREFETCH_BLOCKS = 4
+PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
 # P V asks for the V rows KEY_BLOCK keys on while it multiplies this block's: each pass of a
 # tile asks, per key, for the lines of that key's row the tile itself reads (pv_prefetch_lines),
 # so the passes of a row's columns together ask for the row once. The scores pass asks for a
@@ -280,13 +274,13 @@ def pv_prefetch_lines(frame, chunks):
     return max(1, chunks * frame.lanes * element // CACHE_LINE)
 
 
-def prefetch_share(frame, pointers, lines):
-    """frame.prefetch ``lines`` lines at each of ``pointers`` (then advanced): a share
+def prefetch_share(pointers, lines):
+    """PREFETCHT1 ``lines`` lines at each of ``pointers`` (then advanced): a share
     of the next tiles spread over the dimension loop, so the requests trickle out between the
     FMAs instead of stalling the core in a burst when the fill buffers run out."""
     for pointer in pointers:
         for i in range(lines):
-            frame.prefetch([pointer + i * CACHE_LINE])
+            PREFETCHT1([pointer + i * CACHE_LINE])
         ADD(pointer, lines * CACHE_LINE)
 
 
@@ -328,7 +322,7 @@ def tile_scores(heads, frame, tile, out, prefetch):
     groups = Loop()
     JZ(groups.end)                                   # f32 head_dim 1
     with groups:
-        prefetch_share(frame, prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
         dims(partials)
         ADD(kp, partials * KV_BLOCK * e)
         ADD(qd, partials * FLOAT)
@@ -401,7 +395,7 @@ def tile_scores_pair(heads, frame, tile, out, prefetch):
     MOV(count, frame.head_dim)
     SHR(count, partials.bit_length() - 1)
     with Loop() as groups:                           # head_dim % 16 == 0: at least one group
-        prefetch_share(frame, prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
+        prefetch_share(prefetch, max(1, KV_BLOCK * e * partials // CACHE_LINE))
         dims(partials)
         ADD(kp, partials * KV_BLOCK * e)
         ADD(qd, partials * FLOAT)
@@ -470,7 +464,7 @@ def tile_scores_vnni(heads, frame, tile, out, prefetch):
     VBROADCASTI64X4(lanes, Constant.uint32x8(*TRANSPOSE_BYTES[:8]))
     VPBROADCASTD(bias, first_dword(Constant.uint32x8(0x80808080)))
     with Loop() as blocks:
-        prefetch_share(frame, prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
         chains = [[ZMMRegister(), ZMMRegister()] for _ in range(heads)]
         for h in range(heads):
             VPBROADCASTD(chains[h][0], [sums + h * stride])
@@ -530,7 +524,7 @@ def tile_scores_int8(heads, frame, tile, out, prefetch):
             VMOVUPS(row(out, stride4, h, half * CHUNK), zero)
     kp, scales, quants, query_scales, count = q8_tile_pointers(frame, tile)
     with Loop() as blocks:
-        prefetch_share(frame, prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
+        prefetch_share(prefetch, KV_BLOCK * kv_q8_row_bytes(KV_Q8_BLOCK) // CACHE_LINE)
         sums = [[YMMRegister(), YMMRegister()] for _ in range(heads)]
         for pair in sum(sums, []):
             VPXOR(pair, pair, pair)
@@ -660,7 +654,7 @@ def prefetch_targets(frame, key):
     into = gp()
     MOV(into, block)
     SUB(into, frame.first)                           # keys into the segment (negative: its first block)
-    ADD(block, (Q8_PREFETCH_BLOCKS if frame.q8_ahead else PREFETCH_BLOCKS) * KV_BLOCK)
+    ADD(block, PREFETCH_BLOCKS * KV_BLOCK)
     attended_ahead(frame, block, key)
     AND(block, -KV_BLOCK)
     block_row_address(frame, block, frame.k_head, k_tile)
@@ -773,11 +767,11 @@ def pv_runs(frame, probs, chunks, key_body):
         with Loop() as keys:
             key_body(values, stride4, scales)
             for i in range(pv_prefetch_lines(frame, chunks)):
-                frame.prefetch([ahead + i * CACHE_LINE])
+                PREFETCHT1([ahead + i * CACHE_LINE])
             ADD(ahead, hd4)
             if frame.q8_ahead:                       # the next segment's K tile, this key's share
                 for i in range(2):
-                    frame.prefetch([k_ahead + i * CACHE_LINE])
+                    PREFETCHT1([k_ahead + i * CACHE_LINE])
                 ADD(k_ahead, hd4)
             ADD(probs, FLOAT)
             ADD(values, hd4)

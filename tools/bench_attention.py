@@ -19,7 +19,7 @@ threads: per layer one op of the split calls (segments s = seg0 mod step, step
 WHOLE_HEAD_CHUNKS_PER_THREAD x N unless ``--step`` says), claimed as dynamic chunks, then
 the combine, with the pool's barriers between ops. ``--between MB`` adds after each
 layer's attention an op that streams MB of a buffer of that layer's own (the read probe's
-loop, split over the threads), as the layer's weights would stream between two attentions:
+loop from the current library, the same for every ``--lib``, split over the threads), as the layer's weights would stream between two attentions:
 the row then reports attention's time within that mix (the mix's time less the streams'
 alone, printed above the table). On a host whose shared L3 holds part of a ~100 MB working
 set, attention alone and the weights alone each read faster than the two together.
@@ -170,7 +170,7 @@ def main(argv=None):
                     for f, arguments in layers[layer]:
                         f(*arguments)
                 if pooled:
-                    fn = plan_runner(pool, layers, dll, streams, args.threads)
+                    fn = plan_runner(pool, layers, streams, args.threads)
                 fn(0)
                 error = min(float(np.abs(out - want).max()) for want in wants)
                 if not error <= 1e-4:
@@ -219,14 +219,16 @@ def timed(run):
     return best
 
 
-def plan_runner(pool, layers, dll, streams, n_threads):
+def plan_runner(pool, layers, streams, n_threads):
     """fn(layer) for the check (runs the whole plan), with fn.both and fn.streams: the plan
     of every layer's attention op (split calls as dynamic chunks, then the serial combine)
     and its stream op, and the plan of the stream ops alone."""
+    from llambda.runtime import library
     from llambda.runtime.plan import Plan
     if streams:
-        probe = dll.llb_probe_read__avx2
-        probe.restype, probe.argtypes = None, [ctypes.c_size_t] * 3
+        # the current library's probe, the same stream for every --lib (which then need hold
+        # only the attention kernels)
+        probe = library.load("avx2").fn("llb_probe_read__avx2")
 
     def build(attention, stream):
         plan = Plan(n_threads)

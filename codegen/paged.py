@@ -828,32 +828,29 @@ def emit_pv_tile(heads, chunks, masked, frame):
             for h in range(heads):
                 VBROADCASTSS(p[h], row(probs, stride4, h))
         for c in range(chunks):
-            if frame.q8 and frame.wide:
-                # d v once per chunk, shared by the heads, then each head's p broadcast
-                # straight from its score row: 26 ops a key at head_dim 64 and 3 heads where
-                # p d per head and block took 34 (the FMA pipes run 16 zmm ops a key, not 18)
-                if c % frame.q8_chunks == 0:
+            if frame.q8:
+                if c % frame.q8_chunks == 0:             # the block's scale d
                     d = frame.vec()
                     VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
+                    if not frame.wide:                   # AVX2: p times d, per head
+                        p = [frame.vec() for _ in range(heads)]
+                        for h in range(heads):
+                            VBROADCASTSS(p[h], row(probs, stride4, h))
+                            VMULPS(p[h], p[h], d)
                 vm = frame.vec()
                 VPMOVSXBD(vm, [values + c * frame.lanes])
                 VCVTDQ2PS(vm, vm)
-                VMULPS(vm, vm, d)
-                for h in range(heads):
-                    VFMADD231PS(accs[h][c], vm, broadcast(row(probs, stride4, h)))
-            elif frame.q8:
-                if c % frame.q8_chunks == 0:             # p times the block's scale d, per head
-                    d = frame.vec()
-                    VBROADCASTSS(d, [values + scales * 1 + c // frame.q8_chunks * 4])
-                    p = [frame.vec() for _ in range(heads)]
+                if frame.wide:
+                    # d v once per chunk, shared by the heads, then each head's p broadcast
+                    # straight from its score row: 26 ops a key at head_dim 64 and 3 heads
+                    # where p d per head and block took 34 (the FMA pipes run 16 zmm ops a
+                    # key, not 18)
+                    VMULPS(vm, vm, d)
                     for h in range(heads):
-                        VBROADCASTSS(p[h], row(probs, stride4, h))
-                        VMULPS(p[h], p[h], d)
-                vm = frame.vec()
-                VPMOVSXBD(vm, [values + c * frame.lanes])
-                VCVTDQ2PS(vm, vm)
-                for h in range(heads):
-                    VFMADD231PS(accs[h][c], p[h], vm)
+                        VFMADD231PS(accs[h][c], vm, broadcast(row(probs, stride4, h)))
+                else:
+                    for h in range(heads):
+                        VFMADD231PS(accs[h][c], p[h], vm)
             elif frame.half:
                 vm = frame.vec()
                 VCVTPH2PS(vm, [values + c * frame.chunk // 2])

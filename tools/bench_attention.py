@@ -19,10 +19,11 @@ threads: per layer one op of the split calls (segments s = seg0 mod step, step
 WHOLE_HEAD_CHUNKS_PER_THREAD x N unless ``--step`` says), claimed as dynamic chunks, then
 the combine, with the pool's barriers between ops. ``--between MB`` adds after each
 layer's attention an op that streams MB of a buffer of that layer's own (the read probe's
-loop from the current library, the same for every ``--lib``, split over the threads), as the layer's weights would stream between two attentions:
-the row then reports attention's time within that mix (the mix's time less the streams'
-alone, printed above the table). On a host whose shared L3 holds part of a ~100 MB working
-set, attention alone and the weights alone each read faster than the two together.
+loop from the current library, the same for every ``--lib``, split over the threads), as
+the layer's weights would stream between two attentions: the row then reports attention's
+time within that mix (the mix's time less the streams' alone, printed above the table). On
+a host whose shared L3 holds part of a ~100 MB working set, attention alone and the weights
+alone each read faster than the two together.
 
 ``--rows M`` times a prompt chunk instead: M query rows of one sequence at the last M
 positions, in one whole call per layer (the AVX-512 float kernels take such rows two at a

@@ -19,11 +19,15 @@ CHUNK = 4            # quant bytes of one row per 32-byte load of a group
 PANEL = 16           # weight rows per panel: two ymm of f32 columns
 
 # -- the paged KV cache (llambda/kv_pool.py owns it; runtime/ref/paged.py defines the ops that
-#    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim], each block
-#    contiguous, blocks block_heads >= n_kv_head KV heads apart (the pool's arenas are views of
-#    one buffer [n_blocks, n_layer, ...]); a sequence's key j lives in block
-#    tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
+#    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim], each (block, KV
+#    head) tile contiguous, the tiles block_tiles apart from one block to the next and
+#    head_tiles from one KV head to the next (the pool's arenas are views of one buffer
+#    [n_layer, n_kv_head, n_blocks, ...]: block_tiles 1, head_tiles n_blocks); a sequence's key
+#    j lives in block tables[seq, j // KV_BLOCK] at row j % KV_BLOCK.
 KV_BLOCK = 16        # positions per KV block
+# The kernels take an arena's strides in tiles, packed under a 16-bit count (head_dim, n_kv):
+# low | block_tiles << 16 | head_tiles << 40, these bits each.
+ARENA_TILES = (16, 24, 24)
 # A q8_0 arena (uint8, [n_blocks, n_kv_head, KV_BLOCK, kv_q8_row_bytes(head_dim)]): each row (one
 # position of one KV head) holds head_dim int8 quants, then one f32 scale d per KV_Q8_BLOCK of
 # them; value = d * q (rounded to f32). runtime/ref/paged.py quantizes: d = max|x| / 127,

@@ -63,11 +63,12 @@ everything else, the caller (llambda/kv_pool.py) keeps those in range.
 A plan record holds 13 integer arguments; the attention kernel needs 18 values, so pairs
 of 32-bit values travel packed in one size_t each (low | high << 32): ``rows`` = m |
 table_stride << 32, ``kv_heads`` = n_kv | group << 32, ``heads`` = h0 | h1 << 32 and
-``segments`` = seg0 | step << 32. ``head_dim`` = head_dim | block_heads << 32: an arena's
-blocks are block_heads >= n_kv KV heads apart, so a layer's arena can be a view of a buffer
-that holds block b of every layer together (llambda/kv_pool.py: a sequence's blocks then
-fill whole huge pages).
-"""
+``segments`` = seg0 | step << 32. ``head_dim`` = head_dim | block_tiles << 16 | head_tiles <<
+40 (codegen/contract.py ARENA_TILES): an arena's (block, KV head) tiles are block_tiles
+tiles from one block to the next and head_tiles from one KV head to the next, so a layer's
+arena can be a view of a buffer that keeps each (layer, KV head)'s blocks together
+(llambda/kv_pool.py: a sequence's tiles of one KV head are then one run the kernel reads in
+order)."""
 from types import SimpleNamespace
 
 from peachpy.x86_64 import (YMMRegister, ZMMRegister, LocalVariable, LOAD, Loop, Block,
@@ -87,7 +88,8 @@ from .attention import (CHUNK, FLOAT, LANES, MAX_HEADS, NEG_INF, PV_CHUNKS, KEY_
                         gp, row, ymms)
 from .common import Kernel, fold_lanes, function, stream, symbol, tail_mask
 from .peachpy_ext import UPPER_ZMM, VPDPBUSD, broadcast, upper_zmm_function
-from .contract import (ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM, PARTIAL_EXTRA,
+from .contract import (ARENA_TILES, ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM,
+                       PARTIAL_EXTRA,
                        kv_q8_row_bytes)
 from .vmath import exp_ps, first_dword
 
@@ -137,8 +139,8 @@ ATTENTION_SIGNATURE = [("q", "const float*"), ("k_arena", "const float*"), ("v_a
                        ("rows", "size_t"), ("head_dim", "size_t"), ("kv_heads", "size_t"),
                        ("heads", "size_t"), ("segments", "size_t"),
                        ("scale", "float"), ("window", "float")]
-# rows = m | table_stride << 32; head_dim = head_dim | block_heads << 32 (an arena's blocks are
-# block_heads KV heads apart); segments = seg0 | step << 32. step 0: whole rows (every
+# rows = m | table_stride << 32; head_dim = head_dim | block_tiles << 16 | head_tiles << 40
+# (ARENA_TILES); segments = seg0 | step << 32. step 0: whole rows (every
 # segment, partials in the scratch, combined into dest = out). step > 0: the segments
 # s = seg0 (mod step) of every row, their partial records written to dest = partials
 # [m, n_segments, n_head, kv_partial_floats(head_dim)] for attention_combine.
@@ -1504,6 +1506,17 @@ def emit_head_groups(frame, emit_group):
         JB(head_groups.begin)
 
 
+def unpack_tiles(packed, low, block_tiles, head_tiles):
+    """Unpack ``packed`` = low | block_tiles << 16 | head_tiles << 40 (ARENA_TILES)."""
+    low_bits, block_bits, _ = ARENA_TILES
+    MOVZX(low.as_dword, packed.as_word)
+    MOV(block_tiles, packed)
+    SHR(block_tiles, low_bits)
+    AND(block_tiles.as_dword, (1 << block_bits) - 1)   # zero-extends
+    MOV(head_tiles, packed)
+    SHR(head_tiles, low_bits + block_bits)
+
+
 def low_high(packed, low, high):
     """Unpack ``packed`` = low | high << 32 into two registers."""
     MOV(low.as_dword, packed.as_dword)               # zero-extends
@@ -1600,8 +1613,8 @@ def emit_setup(frame, args):
     IMUL(group_end, frame.group)
     MOV(frame.group_end0, group_end)
 
-    head_dim, block_heads, t = gp(), gp(), gp()
-    low_high(load("head_dim"), head_dim, block_heads)
+    head_dim, block_tiles, head_tiles, t = gp(), gp(), gp(), gp()
+    unpack_tiles(load("head_dim"), head_dim, block_tiles, head_tiles)
     hd4 = store_head_dim(frame, head_dim)
     MOV(t, head_dim)
     SHR(t, frame.lanes.bit_length() - 1)
@@ -1614,9 +1627,10 @@ def emit_setup(frame, args):
     else:
         LEA(t, [head_dim * ARENA_BYTES[frame.arena]])
     MOV(frame.kd, t)
-    SHL(t, LOG2_KV_BLOCK)
-    MOV(frame.kv_stride, t)                          # one KV head of a block
-    IMUL(t, block_heads)
+    SHL(t, LOG2_KV_BLOCK)                            # a tile's bytes
+    IMUL(head_tiles, t)
+    MOV(frame.kv_stride, head_tiles)                 # from one KV head to the next
+    IMUL(t, block_tiles)
     MOV(frame.block_stride, t)
     n_head = gp()
     MOV(n_head, group)                               # q, out rows: n_head = n_kv * group heads
@@ -1906,9 +1920,9 @@ def scatter_key(head_dim, row, tile, element):
 def emit_kv_store_paged(isa, arena_type, keys=False):
     """arena[block, h, p % KV_BLOCK] = src[i, h] for rows i < m in order and heads h < n_heads,
     block = tables[row_seq[i], p / KV_BLOCK], p = positions[i]. The binding offsets src and
-    arena to the first head; ``n_kv`` = n_kv | block_heads << 32: src rows are n_kv heads
-    long, and an arena's blocks are block_heads KV heads apart (n_kv, or more when the arena
-    is one layer's view of a buffer holding every layer's block b together).
+    arena to the first head; ``kv_heads`` = n_kv | block_tiles << 16 | head_tiles << 40
+    (ARENA_TILES): src rows are n_kv heads long, and the arena's tiles are block_tiles tiles
+    from one block to the next, head_tiles from one KV head to the next.
 
     ``keys``: the key layout (codegen/contract.py), each (block, head) a tile [head_dim]
     [KV_BLOCK] (q8_0: the quants so, then [head_dim / 32][KV_BLOCK] scales): the row is
@@ -1918,8 +1932,8 @@ def emit_kv_store_paged(isa, arena_type, keys=False):
                         signature, isa)
     with fn:
         src, positions, row_seq, tables, arena, m, n_heads, head_dim, kv_heads, table_stride = load_all(args)
-        n_kv, block_heads = gp(), gp()
-        low_high(kv_heads, n_kv, block_heads)
+        n_kv, block_tiles, head_tiles = gp(), gp(), gp()
+        unpack_tiles(kv_heads, n_kv, block_tiles, head_tiles)
         saved = SimpleNamespace(**{name: LocalVariable(8) for name in
                                    ("tables", "table_stride4", "n_heads", "block_stride", "src_stride", "m",
                                     "arena", "lane")})
@@ -1939,9 +1953,10 @@ def emit_kv_store_paged(isa, arena_type, keys=False):
         else:
             LEA(kd, [head_dim * ARENA_BYTES[arena_type]])
         MOV(head_stride, kd)
-        SHL(head_stride, LOG2_KV_BLOCK)
-        IMUL(block_heads, head_stride)
-        MOV(saved.block_stride, block_heads)
+        SHL(head_stride, LOG2_KV_BLOCK)              # a tile's bytes
+        IMUL(block_tiles, head_stride)
+        MOV(saved.block_stride, block_tiles)
+        IMUL(head_stride, head_tiles)                # from one KV head to the next
         IMUL(n_kv, hd4)                               # src row bytes: n_kv * hd4
         MOV(saved.src_stride, n_kv)
         with Loop() as rows:

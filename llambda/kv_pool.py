@@ -3,12 +3,15 @@
 Per layer the arena holds K and V as ``[n_blocks, n_kv_head, KV_BLOCK, head_dim]``; block b
 of every layer belongs to the same sequence, so one block table per sequence (a row of
 ``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
-Each layer's K (and V) arena is a view of one buffer ``[n_blocks, n_layer, ...]`` that keeps
-block b of every layer together. Free blocks are handed out lowest first and reused last
-freed first, so the blocks in use stay packed at the buffer's start. Each 2 MiB of the
-buffers whose blocks have all been written is collapsed into a huge page (``filled``, then
-``collapse_filled`` once the engine has had nothing to run for a while): a long context's
-decode step reads tens of MB of cache, and in small pages part of that time is page walks.
+Each layer's K (and V) arena is a view of one buffer ``[n_layer, n_kv_head, n_blocks, ...]``
+that keeps each (layer, KV head)'s blocks together: free blocks are handed out lowest first
+and reused last freed first, so a sequence's tiles of one KV head in one layer are one run,
+which the attention kernel reads in order and the prefetchers follow (a buffer holding
+block b of every layer together, as before, left runs of one tile; README, "A KV cache laid
+out by KV head"). Each 2 MiB of the buffers whose blocks have all been written is collapsed
+into a huge page (``filled``, then ``collapse_filled`` once the engine has had nothing to run
+for a while): fewer page walks, though with this layout only a pool whose blocks in use
+outnumber a huge page's tiles fills whole ones.
 A collapse is not free, though: with the pool's threads on both cores of a 2-vCPU VM one
 took 5-70 ms (0.5 ms in a process of one thread), stalling or slowing the steps around it
 (README, "The KV cache in 2 MiB pages"); so none runs while sequences run. Resident memory stays what was written: a short context stays in small pages.
@@ -71,16 +74,17 @@ class KVPool:
         self.kv_type = kv_type = check_kv_type(kv_type, c.head_dim)
         self.max_blocks = -(-max_ctx // KV_BLOCK)           # blocks per sequence at most
         dtype, row = _row(kv_type, c.head_dim)
-        shape = (n_blocks, c.n_kv_head, KV_BLOCK, row)
-        every_layer = (n_blocks, c.n_layer) + shape[1:]
-        self._k_blocks = buffers.zeros_growing(every_layer, dtype)
-        self._v_blocks = buffers.zeros_growing(every_layer, dtype)
-        self.k = [self._k_blocks[:, layer] for layer in range(c.n_layer)]
-        self.v = [self._v_blocks[:, layer] for layer in range(c.n_layer)]
-        self._block_bytes = self._k_blocks[0].nbytes       # one block of every layer
+        by_head = (c.n_layer, c.n_kv_head, n_blocks, KV_BLOCK, row)
+        self._k_blocks = buffers.zeros_growing(by_head, dtype)
+        self._v_blocks = buffers.zeros_growing(by_head, dtype)
+        # layer l's arena [n_blocks, n_kv_head, KV_BLOCK, row]: tiles 1 apart from block to
+        # block, n_blocks from KV head to KV head (the kernels take both strides)
+        self.k = [self._k_blocks[layer].transpose(1, 0, 2, 3) for layer in range(c.n_layer)]
+        self.v = [self._v_blocks[layer].transpose(1, 0, 2, 3) for layer in range(c.n_layer)]
         self._written = np.zeros(n_blocks, bool)            # every position of the block stored
         self._written[TRASH_BLOCK] = True                   # padding rows store there every step
         self._filled_pages = []                             # whole huge pages not collapsed yet
+        self._page_blocks_left = self._unwritten_blocks_per_page(self._k_blocks)
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
@@ -174,19 +178,38 @@ class KVPool:
         self.tables[table, :] = TRASH_BLOCK
         self._free_tables.append(table)
 
+    def _unwritten_blocks_per_page(self, buffer):
+        """For each whole huge page of ``buffer`` (K's and V's are alike), how many distinct
+        blocks its tiles belong to are not written yet (block 0 is): tile t of the buffer
+        is block t % n_blocks, and a page holds consecutive tiles."""
+        tile = buffer[0, 0, 0].nbytes
+        n = self.n_blocks
+        pages = buffer.nbytes // HUGE_PAGE               # zeros_growing: from a huge page's start
+        start = np.arange(pages, dtype=np.int64) * HUGE_PAGE
+        lo, hi = start // tile, (start + HUGE_PAGE - 1) // tile + 1      # the tiles a page touches
+        blocks = np.minimum(hi - lo, n)
+        holds_trash = (hi - lo >= n) | (-(-lo // n) * n < hi)            # a tile t with t % n == 0
+        return blocks - holds_trash
+
     def filled(self, blocks):
         """Note that every position of ``blocks`` has been stored (``seal`` does, for the
         engine's sequences): each huge page of the buffers whose blocks are now all written
         waits for ``collapse_filled``, once."""
-        size = self._block_bytes
-        for block in blocks:
-            if self._written[block]:
-                continue
-            self._written[block] = True
-            for page in range(block * size // HUGE_PAGE, ((block + 1) * size - 1) // HUGE_PAGE + 1):
-                lo, hi = page * HUGE_PAGE // size, ((page + 1) * HUGE_PAGE - 1) // size + 1
-                if hi <= self.n_blocks and self._written[lo:hi].all():
-                    self._filled_pages.append(page)
+        new = sorted({b for b in blocks if not self._written[b]})
+        if not new:
+            return
+        self._written[new] = True
+        left = self._page_blocks_left
+        if not len(left):
+            return
+        tile = self._k_blocks[0, 0, 0].nbytes
+        regions = np.arange(self._k_blocks.shape[0] * self._k_blocks.shape[1], dtype=np.int64)
+        for block in new:
+            first = (regions * self.n_blocks + block) * tile             # the block's tile in each
+            touched = np.unique(np.concatenate([first // HUGE_PAGE, (first + tile - 1) // HUGE_PAGE]))
+            touched = touched[touched < len(left)]
+            left[touched] -= 1
+            self._filled_pages.extend(int(p) for p in touched[left[touched] == 0])
 
     @property
     def has_filled_pages(self):

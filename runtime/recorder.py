@@ -55,9 +55,11 @@ LONG_OP_BYTES = 2e6
 SPLIT_MAX_ROWS = 4        # attention of steps up to this many rows is split over key segments too
 SPLIT_CHUNKS_PER_THREAD = 8   # chunks of (heads, segments) per thread
 # A long context's split attention: chunks of every head, by key segments alone, this many per
-# thread. A KV block holds its KV heads' tiles side by side, and a core's prefetchers fetch past
-# the tile a chunk of one KV head reads into its neighbours', which that core never uses: two
-# threads reading one KV head each from a cache in memory read it two to three times over.
+# thread. (Measured when a KV block held its KV heads' tiles side by side: a core's prefetchers
+# fetched past the tile a chunk of one KV head read into its neighbours', which that core never
+# used, so two threads reading one KV head each read the cache two to three times over. The
+# pool now keeps a KV head's blocks together, llambda/kv_pool.py; segments still even out the
+# threads where a model's KV heads do not divide among them.)
 WHOLE_HEAD_CHUNKS_PER_THREAD = 2
 
 

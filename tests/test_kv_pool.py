@@ -113,19 +113,50 @@ def resident_huge_bytes(*arrays):
     return smaps_bytes("AnonHugePages:", [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays])
 
 
-def test_a_layers_block_sits_beside_the_other_layers_block():
-    """Each layer's arena is a view of one buffer holding block b of every layer together, so
-    the blocks in use (handed out lowest first) fill one dense run from the buffer's start."""
+def test_a_layers_arena_keeps_each_kv_heads_blocks_together():
+    """Each layer's arena is a view of one buffer [layer, KV head, block], so a KV head's
+    blocks in use (handed out lowest first) are one run of tiles the kernel reads in order."""
     config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
     for kv_type in ("f32", "f16", "q8_0"):
         p = KVPool(config, 10, 2, 8 * B, kv_type=kv_type)
-        block = p.k[0][0].nbytes
+        tile = p.k[0][0, 0].nbytes
         for arenas in (p.k, p.v):
+            first = arenas[0][0, 0].ctypes.data
             for layer, arena in enumerate(arenas):
-                assert arena.strides[0] == config.n_layer * block
-                assert arena[4].ctypes.data == arenas[0].ctypes.data + (4 * config.n_layer + layer) * block
+                assert arena.shape[:2] == (10, 2) and arena.strides[:2] == (tile, 10 * tile)
+                for h in range(2):
+                    for b in (0, 4, 9):
+                        assert arena[b, h].ctypes.data == first + ((layer * 2 + h) * 10 + b) * tile
         _, blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
         assert blocks == [1, 2, 3, 4, 5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_a_huge_page_is_filled_once_when_every_block_with_a_tile_in_it_is_written(data):
+    """``filled`` hands each whole huge page of the buffers over exactly once, as soon as
+    every block one of its tiles belongs to has been written, whatever the order: the
+    same pages as counting them from scratch."""
+    from llambda.runtime.buffers import HUGE_PAGE
+    kv_type = data.draw(st.sampled_from(["f32", "f16", "q8_0"]), label="kv_type")
+    config = SimpleNamespace(n_layer=data.draw(st.integers(1, 4), label="layers"),
+                             n_kv_head=data.draw(st.integers(1, 3), label="kv heads"), head_dim=64)
+    n_blocks = data.draw(st.integers(2, 1200), label="blocks")
+    p = KVPool(config, n_blocks, 2, 8 * B, kv_type=kv_type)
+    tile = p.k[0][0, 0].nbytes
+    tiles = config.n_layer * config.n_kv_head * n_blocks
+    order = data.draw(st.permutations(range(1, n_blocks)), label="order")
+    cut = sorted(data.draw(st.lists(st.integers(0, len(order)), max_size=4), label="calls"))
+    handed = []
+    for lo, hi in zip([0] + cut, cut + [len(order)]):
+        p.filled(order[lo:hi])
+        handed += p._filled_pages
+        p._filled_pages = []
+        written = {TRASH_BLOCK, *order[:hi]}
+        want = [page for page in range(tiles * tile // HUGE_PAGE)
+                if {t % n_blocks for t in range(page * HUGE_PAGE // tile,
+                                                ((page + 1) * HUGE_PAGE - 1) // tile + 1)} <= written]
+        assert sorted(handed) == want
 
 
 def skip_unless_collapsing_works():
@@ -165,13 +196,14 @@ def test_collapsing_makes_the_whole_huge_pages_of_a_range_huge_and_keeps_the_byt
 
 
 def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
-    """A short sequence's cache stays in small pages; a long one's fills whole huge pages,
-    each collapsed once every block in it has been written (sealed), with nothing resident
-    that was not written."""
+    """A page of the buffers holds tiles of many blocks (a KV head's blocks are one run), and
+    is collapsed once every one of them has been written (sealed): with 400 blocks of 4 KiB
+    tiles a page holds every block's tile, so none is collapsed until all are written, then
+    the four whole pages of K and of V are, with nothing resident that was not written."""
     from llambda.runtime.buffers import HUGE_PAGE, wait_for_collapses
     skip_unless_collapsing_works()
     config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
-    p = KVPool(config, 400, 2, 300 * B)                       # f32: 24 KiB a block, 9.6 MB
+    p = KVPool(config, 400, 2, 400 * B)                       # f32: 4 KiB a tile, 9.6 MB
 
     def write(tokens):
         table, blocks, keys, _ = p.open(tokens, len(tokens))
@@ -179,15 +211,17 @@ def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
             p.k[layer][blocks] = 1.0
             p.v[layer][blocks] = 1.0
         p.seal(blocks, keys, tokens)
+        p.close(table, blocks)              # sealed: cached, not handed out again
         p.collapse_filled()                 # as the engine does when it has nothing to run
         wait_for_collapses()                # (on a background thread)
         return blocks
 
     write(list(range(5 * B)))
+    write(list(range(1000, 1000 + 200 * B)))                 # blocks 6..205
     assert resident_huge_bytes(p.k[0], p.v[0]) == 0
-    blocks = write(list(range(1000, 1000 + 200 * B)))      # blocks 6..205: up to 4.9 MiB
-    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 2 * HUGE_PAGE      # K's and V's first two
-    assert max(blocks) == 205 and (p.k[0][1:206] == 1.0).all()
+    blocks = write(list(range(10_000, 10_000 + 194 * B)))   # blocks 206..399: every block written
+    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 4 * HUGE_PAGE      # K's and V's whole pages
+    assert max(blocks) == 399 and (p.k[2][1:400] == 1.0).all()
 
 
 def test_the_pool_collapses_on_a_thread_of_its_own_and_the_bytes_stay(monkeypatch):
@@ -207,8 +241,8 @@ def test_the_pool_collapses_on_a_thread_of_its_own_and_the_bytes_stay(monkeypatc
 
     monkeypatch.setattr(buffers, "collapse_huge_pages", slow_collapse)
     config = SimpleNamespace(n_layer=3, n_kv_head=2, head_dim=64)
-    p = KVPool(config, 400, 2, 300 * B)
-    tokens = list(range(200 * B))
+    p = KVPool(config, 400, 2, 400 * B)
+    tokens = list(range(399 * B))                  # every block: the 4 whole pages of K and V
     table, blocks, keys, _ = p.open(tokens, len(tokens))
     rng = np.random.default_rng(0)
     for layer in range(config.n_layer):
@@ -217,12 +251,12 @@ def test_the_pool_collapses_on_a_thread_of_its_own_and_the_bytes_stay(monkeypatc
     want_k, want_v = p.k[1][blocks].copy(), p.v[2][blocks].copy()
     p.seal(blocks, keys, tokens)
     assert asked == [] and resident_huge_bytes(p.k[0], p.v[0]) == 0   # sealing collapses nothing
-    assert p.collapse_filled() == 2                # returns with the collapses held back
+    assert p.collapse_filled() == 4                # returns with the collapses held back
     assert p.collapse_filled() == 0                # each page once
     release.set()
     buffers.wait_for_collapses()
-    assert len(asked) == 4 and {t for t, _ in asked} != {threading.current_thread()}
+    assert len(asked) == 8 and {t for t, _ in asked} != {threading.current_thread()}
     assert [start for _, start in asked] == sorted(start for _, start in asked)
     np.testing.assert_array_equal(p.k[1][blocks], want_k)
     np.testing.assert_array_equal(p.v[2][blocks], want_v)
-    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 2 * buffers.HUGE_PAGE
+    assert resident_huge_bytes(p.k[0], p.v[0]) == 2 * 4 * buffers.HUGE_PAGE

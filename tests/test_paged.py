@@ -370,15 +370,22 @@ def test_key_store_puts_each_row_in_its_tile_lane(native, ref, data):
 
 # ---------------------------------------------------------------- a layer's view of the pool's buffer
 
-def in_layer(arena, layers, layer):
-    """(view, buffer): ``arena`` as layer ``layer`` of a buffer that holds block b of ``layers``
-    layers together, as llambda/kv_pool.py hands arenas out (blocks layers * n_kv heads
-    apart); the other layers' bytes 0xff (NaN floats, NaN q8_0 scales), so a stray read shows."""
-    buffer = buffers.empty((arena.shape[0], layers) + arena.shape[1:], arena.dtype)
+def in_layer(arena, layers, layer, by_head=True):
+    """(view, the other layers' bytes): ``arena`` as layer ``layer`` of a buffer of ``layers``
+    layers, by_head as llambda/kv_pool.py hands arenas out ([layer, KV head, block]: blocks
+    a tile apart, KV heads n_blocks tiles), else [block, layer, KV head] (blocks layers *
+    n_kv tiles apart, KV heads one); the other layers' bytes 0xff (NaN floats, NaN q8_0
+    scales), so a stray read shows."""
+    n_blocks, n_kv = arena.shape[:2]
+    if by_head:
+        buffer = buffers.empty((layers, n_kv, n_blocks) + arena.shape[2:], arena.dtype)
+        view = buffer[layer].transpose(1, 0, 2, 3)
+    else:
+        buffer = buffers.empty((n_blocks, layers) + arena.shape[1:], arena.dtype)
+        view = buffer[:, layer]
     buffer.view(np.uint8)[...] = 0xff
-    view = buffer[:, layer]
     view[...] = arena
-    return view, buffer
+    return view, lambda: np.delete(buffer, layer, axis=0 if by_head else 1).view(np.uint8)
 
 
 @settings(max_examples=40)
@@ -396,10 +403,11 @@ def test_a_layer_view_of_the_pools_buffer_gives_the_contiguous_arenas_bits(nativ
     typed = {"f32": buffers.aligned_copy, "f16": as_f16, "q8_0": as_q8}[arena_type]
     layers = data.draw(st.sampled_from([2, 3, 30]), label="layers")
     layer = data.draw(st.integers(0, layers - 1), label="layer")
+    by_head = data.draw(st.booleans(), label="by KV head")
     q, keys, values, scale, _ = draw_values(data, n_head, n_kv, head_dim, step)
     k = buffers.aligned_copy(key_tiles(typed(step.arena(keys)), head_dim))
     v = typed(step.arena(values))
-    (k_view, _), (v_view, _) = in_layer(k, layers, layer), in_layer(v, layers, layer)
+    (k_view, _), (v_view, _) = in_layer(k, layers, layer, by_head), in_layer(v, layers, layer, by_head)
     args = (step.positions, step.row_seq, step.tables, scale)
     isa = draw_isa(data, head_dim, k.dtype)
     from llambda.runtime.native import paged as n_paged
@@ -416,12 +424,12 @@ def test_a_layer_view_of_the_pools_buffer_gives_the_contiguous_arenas_bits(nativ
         if tiles:
             start = key_tiles(start, head_dim)
         flat = buffers.aligned_copy(start)
-        view, buffer = in_layer(start, layers, layer)
-        others = np.delete(buffer, layer, axis=1).view(np.uint8)
+        view, others_now = in_layer(start, layers, layer, by_head)
+        others = others_now()
         native.kv_store_paged(src, *args[:3], flat, heads=heads, keys=tiles)
         native.kv_store_paged(src, *args[:3], view, heads=heads, keys=tiles)
         np.testing.assert_array_equal(view.view(np.uint8), flat.view(np.uint8))
-        np.testing.assert_array_equal(np.delete(buffer, layer, axis=1).view(np.uint8), others)
+        np.testing.assert_array_equal(others_now(), others)
 
 
 # ---------------------------------------------------------------- gather_rows
@@ -561,9 +569,12 @@ def test_attention_paged_rejects_bad_arguments(native):
         (dict(out=buffers.zeros((m, n_head, head_dim + 1))), "out: expected shape"),
         (dict(q=misaligned(q)), "q: data must be 32-byte aligned"),
         (dict(v_arena=buffers.zeros((n_blocks, n_kv, KV_BLOCK, 2 * head_dim))[..., ::2]),
-         "v_arena: each block must be C-contiguous"),
-        (dict(k_arena=buffers.zeros((n_kv, n_blocks, KV_BLOCK, head_dim)).transpose(1, 0, 2, 3)),
-         "k_arena: each block must be C-contiguous"),
+         "v_arena: each \\(block, KV head\\) tile must be C-contiguous"),
+        (dict(k_arena=buffers.zeros((n_kv, n_blocks, KV_BLOCK, head_dim)).transpose(1, 0, 2, 3),
+              v_arena=buffers.zeros((n_kv, n_blocks, KV_BLOCK, head_dim)).transpose(1, 0, 2, 3)), None),
+        (dict(k_arena=np.lib.stride_tricks.as_strided(k, strides=(k.strides[1],) + k.strides[1:]),
+              v_arena=np.lib.stride_tricks.as_strided(v, strides=(k.strides[1],) + k.strides[1:])),
+         "k_arena: tiles overlap: blocks 1 tiles apart and KV heads 1"),
         (dict(k_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1],
               v_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1]), None),
         (dict(k_arena=buffers.zeros((n_blocks, 3, n_kv, KV_BLOCK, head_dim))[:, 1]),
@@ -572,9 +583,9 @@ def test_attention_paged_rejects_bad_arguments(native):
               v_arena=buffers.zeros((n_blocks, 2 * n_kv + 1, KV_BLOCK, head_dim))[:, 1:3]), None),
         (dict(k_arena=buffers.zeros((2 * n_blocks, n_kv, KV_BLOCK, head_dim))[::-2],
               v_arena=buffers.zeros((2 * n_blocks, n_kv, KV_BLOCK, head_dim))[::-2]),
-         "k_arena: blocks -.* bytes apart, not a whole number of KV heads"),
+         "k_arena: blocks -.* bytes apart, not a positive whole number of tiles"),
         (dict(k_arena=buffers.zeros((n_blocks, n_kv * KV_BLOCK * head_dim + 8))[:, :-8].reshape(
-            n_blocks, n_kv, KV_BLOCK, head_dim)), "k_arena: blocks .* bytes apart, not a whole number"),
+            n_blocks, n_kv, KV_BLOCK, head_dim)), "k_arena: blocks .* bytes apart, not a positive whole number"),
         (dict(positions=i32([3])), "positions: expected shape \\(2\\)"),
         (dict(positions=buffers.zeros(2, np.int64)), "positions: expected dtype int32"),
         (dict(row_seq=i32([0, 1, 1])), "row_seq: expected shape"),

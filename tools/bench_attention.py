@@ -50,8 +50,8 @@ BUDGET_S = 0.2
 def arenas(kv, keys, layers, shuffle, rng):
     """[(key arena, value arena, tables [1, blocks])] per layer, each holding ``keys`` random
     keys, laid out as llambda/kv_pool.py keeps a long cache: each layer's arenas are views of
-    one buffer per K and V holding block b of every layer together, written, then collapsed
-    into huge pages."""
+    one buffer per K and V [layer, KV head, block] (a KV head's blocks one run), written, then
+    collapsed into huge pages where whole ones are filled."""
     from llambda.runtime import buffers
     from llambda.codegen.contract import KV_BLOCK
     from llambda.runtime.ref import paged as ref
@@ -64,15 +64,16 @@ def arenas(kv, keys, layers, shuffle, rng):
         elif kv == "f16":
             rows = rows.astype(np.float16)
         if k_all is None:
-            k_all = buffers.zeros_growing((blocks, layers) + rows.shape[1:], rows.dtype)
+            k_all = buffers.zeros_growing((layers, N_KV, blocks) + rows.shape[2:], rows.dtype)
             v_all = buffers.zeros_growing(k_all.shape, rows.dtype)
-        k_all[:, layer] = ref.key_tiles(rows, HEAD_DIM)
-        v_all[:, layer] = rows
+        k_all[layer] = ref.key_tiles(rows, HEAD_DIM).transpose(1, 0, 2, 3)
+        v_all[layer] = rows.transpose(1, 0, 2, 3)
     for buffer in (k_all, v_all):
         buffers.collapse_huge_pages(buffer, 0, buffer.nbytes)
     order = rng.permutation(blocks) if shuffle else np.arange(blocks)
     tables = buffers.aligned_copy(order.astype(np.int32)[None, :])
-    return [(k_all[:, layer], v_all[:, layer], tables) for layer in range(layers)]
+    return [(k_all[layer].transpose(1, 0, 2, 3), v_all[layer].transpose(1, 0, 2, 3), tables)
+            for layer in range(layers)]
 
 
 def main(argv=None):

@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from ...codegen.contract import (ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM,
+from ...codegen.contract import (ARENA_TILES, ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM,
                                  kv_partial_floats, kv_q8_row_bytes, kv_segments)
 from .. import buffers
 from .. import cpu
@@ -196,24 +196,47 @@ def _arena_dtype(name, arena, symbols, head_dim):
 
 
 def _arena_address(name, arena, dtype, shape, writable=False):
-    """(address, block_heads) of an arena [n_blocks, n_kv, KV_BLOCK, row] of ``shape`` (None:
-    any n_blocks): each block C-contiguous, blocks block_heads >= n_kv KV heads apart, so a
-    layer's arena may be a view of a buffer holding block b of every layer (llambda/kv_pool.py)."""
+    """(address, tiles) of an arena [n_blocks, n_kv, KV_BLOCK, row] of ``shape`` (None: any
+    n_blocks): each (block, KV head) tile C-contiguous [KV_BLOCK, row], block_tiles tiles
+    from one block to the next and head_tiles from one KV head to the next, no two tiles
+    overlapping; ``tiles`` = block_tiles << 16 | head_tiles << 40, the kernels' packed
+    strides under a 16-bit count (codegen/contract.py ARENA_TILES). So a layer's arena may be a
+    view of the pool's buffer, which keeps each (layer, KV head)'s blocks together
+    (llambda/kv_pool.py), or of one that keeps block b of every layer together."""
     at = checked_address(name, arena, dtype, shape, writable=writable, ndim=4, contiguous=False)
     n_blocks, n_kv, block, row = arena.shape
-    head_bytes = block * row * dtype.itemsize
-    heads_apart = head_bytes if n_kv > 1 else arena.strides[1]     # a lone head's stride is moot
-    if arena.strides[1:] != (heads_apart, row * dtype.itemsize, dtype.itemsize):
-        raise ValueError(f"{name}: each block must be C-contiguous [n_kv, KV_BLOCK, row] "
+    row_bytes = row * dtype.itemsize
+    tile = block * row_bytes
+    if arena.strides[2:] != (row_bytes, dtype.itemsize):
+        raise ValueError(f"{name}: each (block, KV head) tile must be C-contiguous [KV_BLOCK, row] "
                          f"(strides {arena.strides})")
-    block_bytes = arena.strides[0] if n_blocks > 1 else n_kv * head_bytes
-    if block_bytes % head_bytes or block_bytes < n_kv * head_bytes:
-        raise ValueError(f"{name}: blocks {block_bytes} bytes apart, not a whole number of KV heads "
-                         f"({head_bytes} bytes) of at least n_kv = {n_kv}")
-    block_heads = block_bytes // head_bytes
-    if block_heads >= PACKED_MAX:
-        raise ValueError(f"{name}: blocks {block_heads} KV heads apart, at most {PACKED_MAX - 1}")
-    return at, block_heads
+
+    def tiles_apart(axis, what, count, moot):
+        if count == 1:                                   # a lone block's or head's stride is moot
+            return moot
+        stride = arena.strides[axis]
+        if stride <= 0 or stride % tile:
+            raise ValueError(f"{name}: {what} {stride} bytes apart, not a positive whole number of "
+                             f"tiles ({tile} bytes: KV_BLOCK rows of one KV head)")
+        return stride // tile
+    head_tiles = tiles_apart(1, "KV heads", n_kv, 1)
+    block_tiles = tiles_apart(0, "blocks", n_blocks, n_kv * head_tiles)
+    if block_tiles < n_kv * head_tiles and head_tiles < n_blocks * block_tiles:
+        raise ValueError(f"{name}: tiles overlap: blocks {block_tiles} tiles apart and KV heads "
+                         f"{head_tiles} (one must step over every tile of the other: >= "
+                         f"{n_kv} x {head_tiles} or >= {n_blocks} x {block_tiles})")
+    _, block_bits, head_bits = ARENA_TILES
+    for what, value, bits in (("blocks", block_tiles, block_bits), ("KV heads", head_tiles, head_bits)):
+        if value >> bits:
+            raise ValueError(f"{name}: {what} {value} tiles apart, at most {(1 << bits) - 1}")
+    return at, block_tiles << ARENA_TILES[0] | head_tiles << (ARENA_TILES[0] + block_bits)
+
+
+def _packed_low(name, value):
+    """``value`` as the 16-bit count under an arena's packed tiles (ARENA_TILES)."""
+    if value >> ARENA_TILES[0]:
+        raise ValueError(f"{name}: {value}, at most {(1 << ARENA_TILES[0]) - 1}")
+    return value
 
 
 def _step_indices(positions, row_seq, tables, m):
@@ -255,7 +278,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None, keys
     m, n_kv, head_dim = src.shape
     positions_at, row_seq_at, tables_at = _step_indices(positions, row_seq, tables, m)
     dtype, row = _arena_dtype("arena", arena, STORE_SYMBOLS, head_dim)
-    arena_at, block_heads = _arena_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, row), writable=True)
+    arena_at, tiles = _arena_address("arena", arena, dtype, (None, n_kv, KV_BLOCK, row), writable=True)
     for name, array in (("src", src), ("positions", positions), ("row_seq", row_seq), ("tables", tables)):
         if np.may_share_memory(array, arena):
             raise ValueError(f"arena: overlaps {name}, which the kernel reads while writing the arena")
@@ -268,7 +291,7 @@ def kv_store_paged_call(src, positions, row_seq, tables, arena, heads=None, keys
     symbols = KEY_STORE_SYMBOLS if keys else STORE_SYMBOLS
     return symbols[dtype], [src_at + F32.itemsize * head_dim * h0, positions_at, row_seq_at, tables_at,
                                   arena_at + arena.strides[1] * h0,
-                                  m, h1 - h0, head_dim, n_kv | block_heads << 32, tables.shape[1]]
+                                  m, h1 - h0, head_dim, _packed_low("src: n_kv", n_kv) | tiles, tables.shape[1]]
 
 
 # ---------------------------------------------------------------- attention_paged
@@ -312,7 +335,7 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
     if dtype == np.uint8 and head_dim > MAX_Q8_QUERY_HEAD_DIM:
         raise ValueError(f"k_arena: attention over a q8_0 arena needs head_dim <= {MAX_Q8_QUERY_HEAD_DIM} "
                          f"(the kernel's copy of q's quantized rows), got head_dim {head_dim}")
-    k_at, block_heads = _arena_address("k_arena", k_arena, dtype, None)
+    k_at, tiles = _arena_address("k_arena", k_arena, dtype, None)
     n_blocks, n_kv, block, k_row = k_arena.shape
     if block != KV_BLOCK:
         raise ValueError(f"k_arena: blocks of {block} rows, expected KV_BLOCK = {KV_BLOCK} "
@@ -370,9 +393,10 @@ def attention_paged_call(q, k_arena, v_arena, positions, row_seq, tables, scale,
             raise ValueError(f"segments: expected (seg0, step) with 0 <= seg0 < step, got {segments!r}")
         packed_segments = seg0 | step << 32
         dest_at = partials_at + partials.strides[0] * r0
+    packed_head_dim = _packed_low("q: head_dim", head_dim) | tiles
     return attention_symbol(dtype, attention_isa(head_dim, isa, dtype)), [q_at + q.strides[0] * r0, k_at, v_at, dest_at, scratch_at,
                                       positions_at + I32.itemsize * r0, row_seq_at + I32.itemsize * r0,
-                                      tables_at, (r1 - r0) | tables.shape[1] << 32, head_dim | block_heads << 32,
+                                      tables_at, (r1 - r0) | tables.shape[1] << 32, packed_head_dim,
                                       n_kv | group << 32, h0 | h1 << 32, packed_segments,
                                       scale, float(window)]
 

@@ -5,7 +5,8 @@ of every layer belongs to the same sequence, so one block table per sequence (a 
 ``tables``) serves all layers. The ops that read it are defined in runtime/ref/paged.py.
 Each layer's K (and V) arena is a view of one buffer ``[n_layer, n_kv_head, n_blocks, ...]``
 that keeps each (layer, KV head)'s blocks together: free blocks are handed out lowest first
-and reused last freed first, so a sequence's tiles of one KV head in one layer are one run,
+(a heap, also after sequences have come and gone), so a sequence's tiles of one KV head in
+one layer are one run in address order,
 which the attention kernel reads in order and the prefetchers follow (a buffer holding
 block b of every layer together, as before, left runs of one tile; README, "a KV cache laid
 out by KV head"). Each 2 MiB of the buffers whose blocks have all been written is collapsed
@@ -28,6 +29,7 @@ Block 0 is never handed out: table entries past a sequence's end and the padding
 a step point at it, and whatever they write there is never read by a real row.
 """
 import hashlib
+import heapq
 from collections import OrderedDict
 
 import numpy as np
@@ -90,7 +92,7 @@ class KVPool:
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
         self.pad_table = max_tables
         self._free_tables = list(range(max_tables - 1, -1, -1))
-        self._free = list(range(n_blocks - 1, TRASH_BLOCK, -1))
+        self._free = list(range(TRASH_BLOCK + 1, n_blocks))    # a heap: the lowest first
         self._refs = np.zeros(n_blocks, np.int64)
         self._key_of = {}                 # sealed block -> key
         self._block_of = {}               # key -> sealed block
@@ -174,7 +176,7 @@ class KVPool:
             if block in self._key_of:
                 self._idle[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
         self.tables[table, :] = TRASH_BLOCK
         self._free_tables.append(table)
 
@@ -229,7 +231,7 @@ class KVPool:
 
     def _take(self):
         if self._free:
-            block = self._free.pop()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._idle.popitem(last=False)       # evict the least recently used
             del self._block_of[self._key_of.pop(block)]

@@ -72,6 +72,22 @@ def test_eviction_never_takes_a_block_in_use():
     assert p.open(a, len(a)) is None
 
 
+def test_free_blocks_are_handed_out_lowest_first_after_sequences_come_and_go():
+    """A sequence's fresh blocks are the lowest free ones, in ascending order, also after other
+    sequences have closed: its tiles of one KV head then lie in address order, which the
+    attention kernel reads fastest (README, "a KV cache laid out by KV head")."""
+    p = pool(n_blocks=30)
+    a, a_blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
+    b, b_blocks, _, _ = p.open(list(range(100, 100 + 5 * B)), 5 * B)
+    assert a_blocks == [1, 2, 3, 4, 5] and b_blocks == [6, 7, 8, 9, 10]
+    p.close(a, a_blocks)                       # never sealed: free again
+    _, c_blocks, _, _ = p.open(list(range(200, 200 + 7 * B)), 7 * B)
+    assert c_blocks == [1, 2, 3, 4, 5, 11, 12]
+    p.close(b, b_blocks[::-1])
+    _, d_blocks, _, _ = p.open(list(range(300, 300 + 3 * B)), 3 * B)
+    assert d_blocks == [6, 7, 8]
+
+
 def test_a_request_larger_than_a_table_is_refused():
     p = pool(ctx=2 * B)
     assert p.open([1], 3 * B) is None

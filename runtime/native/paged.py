@@ -32,8 +32,8 @@ import os
 
 import numpy as np
 
-from ...codegen.contract import (ARENA_TILES, ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT, MAX_Q8_QUERY_HEAD_DIM,
-                                 kv_partial_floats, kv_q8_row_bytes, kv_segments)
+from ...codegen.contract import (ARENA_TILES, ATTENTION_ROWS, KV_BLOCK, KV_Q8_BLOCK, KV_SEGMENT,
+                                 MAX_Q8_QUERY_HEAD_DIM, kv_partial_floats, kv_q8_row_bytes, kv_segments)
 from .. import buffers
 from .. import cpu
 from .. import library
@@ -211,16 +211,16 @@ def _arena_address(name, arena, dtype, shape, writable=False):
         raise ValueError(f"{name}: each (block, KV head) tile must be C-contiguous [KV_BLOCK, row] "
                          f"(strides {arena.strides})")
 
-    def tiles_apart(axis, what, count, moot):
+    def tiles_apart(axis, what, count):
         if count == 1:                                   # a lone block's or head's stride is moot
-            return moot
+            return 1
         stride = arena.strides[axis]
         if stride <= 0 or stride % tile:
             raise ValueError(f"{name}: {what} {stride} bytes apart, not a positive whole number of "
                              f"tiles ({tile} bytes: KV_BLOCK rows of one KV head)")
         return stride // tile
-    head_tiles = tiles_apart(1, "KV heads", n_kv, 1)
-    block_tiles = tiles_apart(0, "blocks", n_blocks, n_kv * head_tiles)
+    head_tiles = tiles_apart(1, "KV heads", n_kv)
+    block_tiles = tiles_apart(0, "blocks", n_blocks)
     if block_tiles < n_kv * head_tiles and head_tiles < n_blocks * block_tiles:
         raise ValueError(f"{name}: tiles overlap: blocks {block_tiles} tiles apart and KV heads "
                          f"{head_tiles} (one must step over every tile of the other: >= "

@@ -271,9 +271,13 @@ PREFETCH_BLOCKS = 2                 # K tiles asked for this many blocks ahead
 def pv_prefetch_lines(frame, chunks):
     """Lines of a V row one P V tile of ``chunks`` columns reads: its bytes over a line, at
     least one (a q8_0 tile of 32 quants reads half a line; the row's scales sit after its
-    quants, in the line the next row starts in, which the next key's prefetch asks for)."""
+    quants, in the line the next row starts in, which the next key's prefetch asks for). A
+    zmm q8_0 tile of 64 quants reads a whole line's worth from a row that starts anywhere in
+    a line (72-byte rows at head_dim 64): one more line, or every ninth line of a run, which
+    no row starts in, came from memory when read (README, "a KV cache laid out by KV head")."""
     element = 1 if frame.q8 else 2 if frame.half else 4
-    return max(1, chunks * frame.lanes * element // CACHE_LINE)
+    lines = max(1, chunks * frame.lanes * element // CACHE_LINE)
+    return lines + 1 if frame.q8 and frame.wide and lines * CACHE_LINE == chunks * frame.lanes else lines
 
 
 def prefetch_share(pointers, lines):

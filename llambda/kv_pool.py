@@ -6,10 +6,9 @@ of every layer belongs to the same sequence, so one block table per sequence (a 
 Each layer's K (and V) arena is a view of one buffer ``[n_layer, n_kv_head, n_blocks, ...]``
 that keeps each (layer, KV head)'s blocks together: free blocks are handed out lowest first
 (a heap, also after sequences have come and gone), so a sequence's tiles of one KV head in
-one layer are one run in address order,
-which the attention kernel reads in order and the prefetchers follow (a buffer holding
-block b of every layer together, as before, left runs of one tile; README, "a KV cache laid
-out by KV head"). Each 2 MiB of the buffers whose blocks have all been written is collapsed
+one layer are one run in address order, which the attention kernel reads in order and the
+prefetchers follow (a buffer holding block b of every layer together, as before, left runs
+of one tile; README, "a KV cache laid out by KV head"). Each 2 MiB of the buffers whose blocks have all been written is collapsed
 into a huge page (``filled``, then ``collapse_filled`` once the engine has had nothing to run
 for a while): fewer page walks, though with this layout only a pool whose blocks in use
 outnumber a huge page's tiles fills whole ones.

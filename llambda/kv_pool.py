@@ -85,7 +85,10 @@ class KVPool:
         self._written = np.zeros(n_blocks, bool)            # every position of the block stored
         self._written[TRASH_BLOCK] = True                   # padding rows store there every step
         self._filled_pages = []                             # whole huge pages not collapsed yet
-        self._page_blocks_left = self._unwritten_blocks_per_page(self._k_blocks)
+        self._tile_bytes = self._k_blocks[0, 0, 0].nbytes   # KV_BLOCK rows of one KV head
+        # where each (layer, KV head)'s run of tiles starts in the buffers (K's and V's alike)
+        self._runs_at = np.arange(c.n_layer * c.n_kv_head, dtype=np.int64) * n_blocks * self._tile_bytes
+        self._page_blocks_left = self._unwritten_blocks_per_page(self._k_blocks.nbytes)
         self.nbytes = n_blocks * self.block_bytes(c, kv_type)
         # one block table per running sequence, and a spare one (all TRASH) for padding rows
         self.tables = buffers.zeros((max_tables + 1, self.max_blocks), np.int32)
@@ -179,13 +182,12 @@ class KVPool:
         self.tables[table, :] = TRASH_BLOCK
         self._free_tables.append(table)
 
-    def _unwritten_blocks_per_page(self, buffer):
-        """For each whole huge page of ``buffer`` (K's and V's are alike), how many distinct
-        blocks its tiles belong to are not written yet (block 0 is): tile t of the buffer
-        is block t % n_blocks, and a page holds consecutive tiles."""
-        tile = buffer[0, 0, 0].nbytes
-        n = self.n_blocks
-        pages = buffer.nbytes // HUGE_PAGE               # zeros_growing: from a huge page's start
+    def _unwritten_blocks_per_page(self, nbytes):
+        """For each whole huge page of a buffer of ``nbytes`` (K's and V's are alike), how many
+        distinct blocks its tiles belong to are not written yet (block 0 is): tile t of the
+        buffer is block t % n_blocks, and a page holds consecutive tiles."""
+        tile, n = self._tile_bytes, self.n_blocks
+        pages = nbytes // HUGE_PAGE                      # zeros_growing: from a huge page's start
         start = np.arange(pages, dtype=np.int64) * HUGE_PAGE
         lo, hi = start // tile, (start + HUGE_PAGE - 1) // tile + 1      # the tiles a page touches
         blocks = np.minimum(hi - lo, n)
@@ -203,10 +205,9 @@ class KVPool:
         left = self._page_blocks_left
         if not len(left):
             return
-        tile = self._k_blocks[0, 0, 0].nbytes
-        regions = np.arange(self._k_blocks.shape[0] * self._k_blocks.shape[1], dtype=np.int64)
+        tile = self._tile_bytes
         for block in new:
-            first = (regions * self.n_blocks + block) * tile             # the block's tile in each
+            first = self._runs_at + block * tile                         # the block's tile in each run
             touched = np.unique(np.concatenate([first // HUGE_PAGE, (first + tile - 1) // HUGE_PAGE]))
             touched = touched[touched < len(left)]
             left[touched] -= 1

@@ -1,6 +1,6 @@
 """``python -m llambda``: the ``llambda`` command."""
 import sys
 
-from .cli import main
+from llambda.cli import main
 
 sys.exit(main())

@@ -12,10 +12,13 @@ import weakref
 
 import numpy as np
 
-from . import generation, inputs, integrity, limits
-from .engine import Engine
-from .kv_pool import KVPool, check_kv_type
-from .errors import UserError
+from llambda.serving import generation
+from llambda import inputs
+from llambda.model import integrity
+from llambda.model import limits
+from llambda.serving.engine import Engine
+from llambda.serving.kv_pool import KVPool, check_kv_type
+from llambda.errors import UserError
 
 DEFAULT_CTX = 2048
 
@@ -48,7 +51,7 @@ def load_tokenizer(path):
         ids = tok.encode("Hello", add_special=True, parse_special=True)
         text = tok.decode(ids)
     """
-    from . import convert
+    from llambda.model import convert
     return convert.build_tokenizer(path, convert.tokenizer_metadata(path))
 
 
@@ -60,8 +63,11 @@ class Model:
                  chat_template=None, parallel=1, max_waiting=64, kv_cache_mb=None, kv_type=None,
                  warm_when_idle=False):
         from llambda.runtime import get_backend
-        from . import catalog, chat_formats, convert, default_model
-        from .model import TransformerModel
+        from llambda.model import catalog
+        from llambda.chat import formats as chat_formats
+        from llambda.model import convert
+        from llambda.model import default_model
+        from llambda.model.forward import TransformerModel
 
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"--ctx: expected a positive integer, got {n_ctx!r}")
@@ -220,12 +226,12 @@ class Model:
     def submit(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
                truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None):
-        """Queue a generation and return its llambda.engine.Completion at once: iterate it for
+        """Queue a generation and return its llambda.serving.engine.Completion at once: iterate it for
         Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
         ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
         many alternatives each event lists. Raises EngineBusy when too many are waiting."""
         prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
-        from .sampling import Sampler
+        from llambda.serving.sampling import Sampler
         try:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
@@ -252,8 +258,8 @@ class Model:
         with the tokenizer's special tokens. Any other template writes BOS itself.
         extra: more template variables (tools=..., documents=..., ...)."""
         messages = inputs.check_messages(messages)
-        from .chat_formats import FILE_TEMPLATE, hint_for_failed_template
-        from .chat_template import render_chat
+        from llambda.chat.formats import FILE_TEMPLATE, hint_for_failed_template
+        from llambda.chat.template import render_chat
         template, tok = self.chat_template, self.tokenizer
         name = f"{FILE_TEMPLATE} ({self.path})" if template.name == FILE_TEMPLATE else template.name
         try:
@@ -274,8 +280,8 @@ class Model:
         """Time every op of ``tokens`` decode steps after ``prompt`` (text or token ids;
         default a short prompt), and of one ``prefill``-token chunk unless 0 (default: one
         prefill step of this model, ``net.max_batch`` rows), as the plan runs: a
-        llambda.profile.ProfileReport (``.table()``, ``.as_dict()``). Empties the KV cache."""
-        from .profile import profile_decode
+        llambda.bench.profile.ProfileReport (``.table()``, ``.as_dict()``). Empties the KV cache."""
+        from llambda.bench.profile import profile_decode
         if isinstance(prompt, str):
             prompt = self.tokenize(prompt)
         return profile_decode(self, tokens=tokens, prefill=prefill, prompt=prompt)

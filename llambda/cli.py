@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-from . import inputs
-from .errors import UserError
+from llambda import inputs
+from llambda.errors import UserError
 
 
 def _positive_int(option):
@@ -80,7 +80,7 @@ def _print_stats(model, stats):
 
 
 def cmd_run(args):
-    from .generation import Stats
+    from llambda.serving.generation import Stats
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:
@@ -118,7 +118,7 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    from .generation import Stats
+    from llambda.serving.generation import Stats
     if args.system:
         inputs.check_text(args.system, "--system")
     for stop in args.stop:
@@ -161,34 +161,35 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    from .server import serve
+    from llambda.server import serve
     return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
                  log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type)
 
 
 def cmd_convert(args):
-    from . import convert
+    from llambda.model import convert
     out = convert.convert(args.gguf, args.output, progress=not args.quiet)
     print(out)
     return 0
 
 
 def cmd_info(args):
-    from . import convert
+    from llambda.model import convert
     print(convert.info(convert.ensure_converted(args.file)))
     return 0
 
 
 def cmd_verify(args):
-    from . import convert
+    from llambda.model import convert
     convert.verify(args.file)
     print(f"{args.file}: all checksums match")
     return 0
 
 
 def cmd_fetch(args):
-    from . import catalog, convert
+    from llambda.model import catalog
+    from llambda.model import convert
     if args.list:
         for model in catalog.models().values():
             state = "cached" if catalog.cached_path(model).exists() else "not downloaded"
@@ -211,10 +212,10 @@ def _counts(option, text, what):
 
 
 def cmd_bench(args):
-    from . import bench
+    from llambda.bench import engines as bench
     threads = list(_counts("--threads", args.threads, "thread count"))
     if args.serve:
-        from . import bench_serve
+        from llambda.bench import serve as bench_serve
         streams = _counts("--streams", args.streams, "count")
         for t in threads:
             bench_serve.run(args.model, threads=t, parallel=args.parallel, streams=streams,
@@ -241,7 +242,7 @@ def version_text():
     """What ``llambda --version`` prints: the version, the kernel library's source key and where
     it comes from, and the ISA this machine runs. Builds nothing."""
     import llambda
-    from .runtime import cpu, library
+    from llambda.runtime import cpu, library
     where = library.locate()
     origin = {"packaged": "packaged with this installation", "built": "built",
               "unbuilt": "not built yet (built on first use)"}[where.origin]
@@ -255,7 +256,7 @@ def version_text():
     elif where.origin == "unbuilt":
         lines.append("isa: avx2 (the int8 products' variant is chosen once the library is built)")
     else:
-        from .runtime.native.quant import widest_qgemm_isa
+        from llambda.runtime.native.quant import widest_qgemm_isa
         widest = widest_qgemm_isa()
         lines.append("isa: avx2" if widest == "avx2" else f"isa: avx2, and {widest} for int8 weight products")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .errors import UserError
+from llambda.errors import UserError
 
 
 def is_text(text):

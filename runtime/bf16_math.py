@@ -13,7 +13,7 @@ measured before it ran at about half of it (README, "Float models"). So ``auto``
 default) times both kernels once per machine on one product of a typical shape and keeps
 the answer in the cache directory. ``LLAMBDA_BF16_MATH=f32|bf16|auto`` chooses explicitly.
 
-The choice is part of a conversion's cache key (llambda/convert.py), and only a GGUF with a
+The choice is part of a conversion's cache key (llambda/model/convert.py), and only a GGUF with a
 BF16 matrix asks for it, so the timing runs only for such a model.
 """
 import functools

@@ -31,7 +31,7 @@ def zeros(shape, dtype=np.float32, align=ALIGNMENT):
 
 
 def zeros_growing(shape, dtype=np.float32):
-    """Zeros for a cache that fills from its start (the KV cache: llambda/kv_pool.py), in
+    """Zeros for a cache that fills from its start (the KV cache: llambda/serving/kv_pool.py), in
     small pages, in a mapping of its own that starts on a HUGE_PAGE boundary, so that
     ``collapse_huge_pages`` can turn the parts it has filled into huge pages."""
     dtype = np.dtype(dtype)

@@ -278,16 +278,21 @@ def code_stamp():
     from llambda import codegen          # its __init__ only: the contract module lives there
     here = Path(__file__).resolve().parent
     lines = [sys.version, str(FORMAT_VERSION)]
-    for directory in (Path(llambda.__file__).resolve().parent, here, here / "native",
-                      Path(codegen.__file__).resolve().parent):
-        if not directory.is_dir():
-            continue
-        with os.scandir(directory) as entries:
-            for entry in sorted(entries, key=lambda e: e.name):
-                if entry.name.endswith(".py") and entry.is_file():
-                    st = entry.stat()
-                    lines.append(f"{entry.path} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
+    for directory in (Path(llambda.__file__).resolve().parent, here, Path(codegen.__file__).resolve().parent):
+        _stamp_package(directory, lines)
     return "\n".join(lines)
+
+
+def _stamp_package(directory, lines):
+    """Append the stamps of the .py files of ``directory`` and of its subpackages (llambda/model/,
+    runtime/native/, codegen/paged/, ...), in name order."""
+    with os.scandir(directory) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.name.endswith(".py") and entry.is_file():
+                st = entry.stat()
+                lines.append(f"{entry.path} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
+            elif entry.is_dir() and os.path.exists(os.path.join(entry.path, "__init__.py")):
+                _stamp_package(entry.path, lines)
 
 
 def environment_stamp():

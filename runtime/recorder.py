@@ -58,7 +58,7 @@ SPLIT_CHUNKS_PER_THREAD = 8   # chunks of (heads, segments) per thread
 # thread. (Measured when a KV block held its KV heads' tiles side by side: a core's prefetchers
 # fetched past the tile a chunk of one KV head read into its neighbours', which that core never
 # used, so two threads reading one KV head each read the cache two to three times over. The
-# pool now keeps a KV head's blocks together, llambda/kv_pool.py; segments still even out the
+# pool now keeps a KV head's blocks together, llambda/serving/kv_pool.py; segments still even out the
 # threads where a model's KV heads do not divide among them.)
 WHOLE_HEAD_CHUNKS_PER_THREAD = 2
 

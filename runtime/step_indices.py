@@ -2,7 +2,7 @@
 
 The paged ops (runtime/ref/paged.py, runtime/native/paged.py) read positions, row_seq and
 block tables from memory when a plan runs, so their bindings cannot check them; the caller
-(llambda/kv_pool.py) keeps them in range. This helper says whether it did, for debug runs
+(llambda/serving/kv_pool.py) keeps them in range. This helper says whether it did, for debug runs
 and tests: cheap (numpy over the step's rows), never on the hot path.
 """
 import numpy as np

@@ -35,7 +35,7 @@ runtime/cpu_usage.py snapshots), the try is skipped and looked at again ``interv
 later. On a machine shared with a process that never sleeps, decode then stays on the free
 core instead of paying for a try every few dozen tokens.
 
-The caller says when a plan is compute-bound (llambda/model.py: a step of many rows, a
+The caller says when a plan is compute-bound (llambda/model/forward.py: a step of many rows, a
 prefill chunk). Fewer threads are then tried only while other work keeps the cores they would
 leave busy: on idle cores such a try is hopeless (one core for a prefill chunk takes twice
 the time), and its runs, a prompt's chunks, are what a second prompt in the same process
@@ -149,7 +149,7 @@ class ThreadChoice:
         threads = self.threads_for(plan)
         start = self.clock()
         if threads == plan.n_threads:
-            pool.run(plan)                  # (a stand-in like llambda.profile's PlanTimer takes no count)
+            pool.run(plan)                  # (a stand-in like llambda.bench.profile's PlanTimer takes no count)
         else:
             pool.run(plan, threads=threads)
         self.record(plan, threads, self.clock() - start, compute_bound)

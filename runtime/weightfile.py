@@ -17,7 +17,7 @@ time the header parse. A mapping starts on a page boundary, so a 64-byte
 aligned offset gives a 64-byte aligned array (the kernels need 32).
 
 This module knows arrays, not models: what the metadata means is up to the
-caller (see llambda/convert.py).
+caller (see llambda/model/convert.py).
 """
 import json
 import mmap

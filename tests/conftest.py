@@ -53,7 +53,7 @@ def default_gguf():
     path = os.environ.get("LLAMBDA_TEST_GGUF")
     if path:
         return path
-    from llambda import default_model
+    from llambda.model import default_model
     return str(default_model.gguf_path())
 
 

@@ -23,10 +23,10 @@ positive f16 super-block scales at the offsets ggml-common.h gives), rescaled
 so each tensor has the standard deviation the plan asks for.
 
 Everything is a pure function of (arch, type, seed): same inputs, same bytes.
-The tensor names and weights are drawn here rather than through llambda/synth.py
+The tensor names and weights are drawn here rather than through tests/synth.py
 so that a change to the benchmark generator does not invalidate the recorded
 fixtures; the keys, the tokenizer and the file itself are written by
-llambda/gguf_write.py, whose key order the content sha256 pins (a change there
+llambda/gguf/writer.py, whose key order the content sha256 pins (a change there
 fails tests/test_llamacpp_referee.py).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QType
 
-from llambda.gguf_write import FILE_TYPES, add_hparams, minimal_tokenizer, tensor_info, write_gguf
+from llambda.gguf.writer import FILE_TYPES, add_hparams, minimal_tokenizer, tensor_info, write_gguf
 
 __all__ = ["ARCHS", "TYPES", "FixtureSpec", "fixture_spec", "write_fixture_model", "sha256_of",
            "content_sha256", "random_kquant_blocks"]
@@ -130,7 +130,7 @@ class _Plan:
 
 
 def _plans(spec: FixtureSpec) -> list[_Plan]:
-    """Every tensor, with a scale that keeps activations near unit RMS (see llambda/synth.py)."""
+    """Every tensor, with a scale that keeps activations near unit RMS (see tests/synth.py)."""
     h = spec.hparams
     t = spec.type_name
     dim, ffn, hd = h["dim"], h["ffn_dim"], h["head_dim"]

@@ -225,3 +225,18 @@ def smaps_bytes(field, spans):
             elif overlaps and head == field:
                 total += int(line.split()[1]) << 10
     return total if found else None
+
+
+# -- comparing a model's logits with the reference's
+
+def mean_kl(ref, fast):
+    p = np.exp(ref - ref.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    lq = fast - fast.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    lp = np.log(np.maximum(p, 1e-30))
+    return float((p * (lp - lq)).sum(-1).mean())
+
+
+def random_prompt(vocab, n, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()

@@ -34,13 +34,13 @@ class Recording:
 
 
 def synth_recording(set_name: str, model: str, directory) -> tuple[Recording, Path]:
-    """The recording ``<set_name>-<model>`` of a llambda.synth.write_random_llama model and that
+    """The recording ``<set_name>-<model>`` of a synth.write_random_llama model and that
     model, rewritten into ``directory`` from the recorded parameters and checked by sha256."""
-    from llambda.synth import write_random_llama
+    from synth import write_random_llama
     from fixture_models import sha256_of
     recording = Recording(f"{set_name}-{model}", how=f"--set {set_name} ")
     path = write_random_llama(Path(directory) / f"{set_name}-{model}.gguf", **recording.params)
     assert sha256_of(path) == recording.sha256, (
-        f"{set_name}-{model}: llambda/synth.py now writes another file than the one llama.cpp's "
+        f"{set_name}-{model}: tests/synth.py now writes another file than the one llama.cpp's "
         f"logits were recorded on: re-record with {RECORD} --set {set_name}")
     return recording, path

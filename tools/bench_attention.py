@@ -49,7 +49,7 @@ BUDGET_S = 0.2
 
 def arenas(kv, keys, layers, shuffle, rng):
     """[(key arena, value arena, tables [1, blocks])] per layer, each holding ``keys`` random
-    keys, laid out as llambda/kv_pool.py keeps a long cache: each layer's arenas are views of
+    keys, laid out as llambda/serving/kv_pool.py keeps a long cache: each layer's arenas are views of
     one buffer per K and V [layer, KV head, block] (a KV head's blocks one run), written, then
     collapsed into huge pages where whole ones are filled."""
     from llambda.runtime import buffers

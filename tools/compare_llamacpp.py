@@ -14,7 +14,7 @@ logits (default 1.0); KL(llama.cpp || llambda) at the prompt end must be at most
     .venv/bin/python tools/compare_llamacpp.py MODEL.gguf --record tests/fixtures/NAME.json
 
 also writes llama.cpp's side (ids, greedy path, top logits per step) for
-llambda.llamacpp_compare.check_recorded, so that make test checks the same file
+llambda.bench.llamacpp_compare.check_recorded, so that make test checks the same file
 without llama.cpp (tests/test_real_recorded.py).
 """
 import argparse
@@ -22,7 +22,7 @@ import json
 import sys
 
 from llambda.errors import UserError
-from llambda.llamacpp_compare import (DEFAULT_KL_MAX, DEFAULT_MARGIN, DEFAULT_PROMPTS, DEFAULT_STEPS,
+from llambda.bench.llamacpp_compare import (DEFAULT_KL_MAX, DEFAULT_MARGIN, DEFAULT_PROMPTS, DEFAULT_STEPS,
                                       Pair, compare_prompt, format_report, record_prompt)
 
 

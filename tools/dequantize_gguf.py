@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from llambda.gguf_write import TensorInfo, add_entries, field_entries, write_gguf
+from llambda.gguf.writer import TensorInfo, add_entries, field_entries, write_gguf
 
 
 def dequantized_copy(source, target, types):

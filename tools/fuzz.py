@@ -8,7 +8,7 @@ one-line error is a failure, and its case is written to a folder.
 
 Cases (each drawn from (seed, index), so a run is reproducible):
 
-- ``gguf``: a small real GGUF (written by llambda.synth, or a real file's header) with its
+- ``gguf``: a small real GGUF (written by synth, or a real file's header) with its
   header or tensor table mutated: counts, key and string lengths, value types, array
   counts, metadata values, tensor dims, types and offsets set to edge values, tensor bytes
   changed, bits flipped, the file cut. Then its tokenizer alone, ``convert``, and ``info``,
@@ -46,6 +46,7 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))        # the random-model makers (tests/synth.py)
 CASE_SECONDS = 60            # a case taking longer is a hang
 CASE_MEMORY = 6 << 30        # address space of a case's process (RLIMIT_AS)
 KINDS = ("gguf", "llb", "text", "template", "cli")
@@ -56,8 +57,8 @@ KINDS = ("gguf", "llb", "text", "template", "cli")
 def make_seeds(directory, real=None):
     """Small valid files to mutate: synthetic GGUFs of two shapes and their conversions, and
     the header (with the tensor data cut off) of ``real``, a real GGUF, when given."""
-    from llambda import convert
-    from llambda.synth import write_random_llama
+    from llambda.model import convert
+    from synth import write_random_llama
     directory = Path(directory)
     ggufs = []
     for i, (tensor_type, vocab) in enumerate((("Q4_1", 300), ("Q8_0", 320))):
@@ -425,7 +426,7 @@ def _is_one_line_error(error):
 def run_steps(case, workdir):
     """Run the case's steps in this process; returns a list of (step, outcome) and raises
     nothing but a failure (AssertionError with the traceback)."""
-    from llambda import convert
+    from llambda.model import convert
     rng = random.Random(f"{case.seed}:{case.index}:run")
     outcomes = []
 
@@ -475,7 +476,7 @@ def run_steps(case, workdir):
             argv = random_command(rng, SEEDS[1][0])
             step(f"cli {' '.join(argv)[:200]}", lambda: _run_cli(argv, workdir))
     else:
-        from llambda.chat_template import render_chat
+        from llambda.chat.template import render_chat
         for _ in range(5):
             template = random_template(rng)
             step("render", lambda: render_chat(template, random_messages(rng), name="fuzz",
@@ -542,7 +543,7 @@ _TOKENIZER = None
 def _seed_tokenizer():
     global _TOKENIZER
     if _TOKENIZER is None:
-        from llambda import convert
+        from llambda.model import convert
         _TOKENIZER = convert.build_tokenizer(SEEDS[1][0], convert.tokenizer_metadata(SEEDS[1][0]))
     return _TOKENIZER
 
@@ -672,7 +673,7 @@ def campaign(seed=0, cases=None, minutes=None, folder="fuzz-failures", workdir=N
 
 def _default_gguf():
     """The default model's GGUF in the user's cache, if it was fetched."""
-    from llambda import default_model
+    from llambda.model import default_model
     from llambda.runtime import paths
     return paths.cache_dir() / "models" / default_model.FILE_NAME
 

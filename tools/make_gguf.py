@@ -13,8 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from llambda.synth import PRESETS, SUPPORTED_TYPES, write_random_llama
-from llambda.synth_arch import ARCHS, write_random_model
+# The random-model makers live with the tests, their main user.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from synth import PRESETS, SUPPORTED_TYPES, write_random_llama  # noqa: E402
+from synth_arch import ARCHS, write_random_model  # noqa: E402
 
 SHAPE_OPTIONS = ("n_layer", "dim", "n_head", "n_kv_head", "ffn_dim", "vocab_size")
 

@@ -15,7 +15,7 @@ The sets:
 - referee: every (arch, type) of tests/fixture_models.py (F32 K/V cache, so that
   float models compare tightly; logits float32 at POSITIONS; also the content
   sha256, fixture_models.content_sha256) for tests/test_llamacpp_referee.py.
-- q5, kquant: llambda.synth.write_random_llama models of awkward shapes (q5: 3
+- q5, kquant: synth.write_random_llama models of awkward shapes (q5: 3
   heads, GQA 3:1, k = 96 and 160; kquant: 3 heads of 256, GQA 3:1, k = 768 and
   512, three and two super-blocks), every position of a 40-id prompt, logits
   float16 (ample for the tolerances), for tests/test_q5.py and
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fixture_models import (ARCHS, DEFAULT_SEED, TYPES, content_sha256, fixture_spec, sha256_of,  # noqa: E402
                             write_fixture_model)
 from llamacpp_fixtures import RECORDINGS as OUT_DIR  # noqa: E402
-from llambda.synth import write_random_llama  # noqa: E402
+from synth import write_random_llama  # noqa: E402
 
 GGML_TYPE_F32 = 0
 

@@ -22,8 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import EngineBusy
-from ..errors import UserError
+from llambda.serving.engine import EngineBusy
+from llambda.errors import UserError
 from . import errors, schemas
 from .errors import ApiError
 from .metrics import Metrics

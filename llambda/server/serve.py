@@ -15,7 +15,8 @@ def model_names(model, model_arg):
     """The id /v1/models shows (the GGUF's file name without .gguf) and the other names a
     request may use for the model: the file name, the ``--model`` argument as given, the
     catalogue name."""
-    from .. import catalog, default_model
+    from llambda.model import catalog
+    from llambda.model import default_model
     if model_arg is None:
         file_name, extra = default_model.FILE_NAME, [catalog.DEFAULT]
     elif not Path(model_arg).exists() and model_arg in catalog.models():
@@ -38,7 +39,7 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
         import uvicorn
         from .app import create_app
     except ImportError as e:
-        from ..errors import UserError
+        from llambda.errors import UserError
         raise UserError(f"llambda serve needs the serve extra ({e.name} is missing): "
                         "pip install 'llambda[serve]'") from None
     import llambda

@@ -19,7 +19,7 @@ variant (``attention_isas()``); by default the widest this machine runs for head
 What is checked here: shapes, dtypes, strides, alignment, that outputs overlap no input,
 the head / row ranges and the window. What cannot be: the *contents* of positions,
 row_seq, tables and rows, which a plan reads when it runs (they are written after the
-plan is recorded). The caller (llambda/kv_pool.py) guarantees, for every row i < m:
+plan is recorded). The caller (llambda/serving/kv_pool.py) guarantees, for every row i < m:
 0 <= row_seq[i] < n_tables, 0 <= positions[i] < max_blocks * KV_BLOCK, and every block
 index tables[row_seq[i], j // KV_BLOCK] of a key j the row touches is in [0, n_blocks);
 for gather_rows, 0 <= rows[r] < m. ``llambda.runtime.step_indices.check_step_indices``
@@ -202,7 +202,7 @@ def _arena_address(name, arena, dtype, shape, writable=False):
     overlapping; ``tiles`` = block_tiles << 16 | head_tiles << 40, the kernels' packed
     strides under a 16-bit count (codegen/contract.py ARENA_TILES). So a layer's arena may be a
     view of the pool's buffer, which keeps each (layer, KV head)'s blocks together
-    (llambda/kv_pool.py), or of one that keeps block b of every layer together."""
+    (llambda/serving/kv_pool.py), or of one that keeps block b of every layer together."""
     at = checked_address(name, arena, dtype, shape, writable=writable, ndim=4, contiguous=False)
     n_blocks, n_kv, block, row = arena.shape
     row_bytes = row * dtype.itemsize

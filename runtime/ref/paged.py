@@ -6,7 +6,7 @@ table, ``tables[row_seq[i]]`` (int32 block indices), and ``positions[i]`` is the
 position in that sequence. Key j of a sequence lives in block ``tables[s, j // KV_BLOCK]`` at
 row ``j % KV_BLOCK``. Positions, row_seq and tables are read when the op runs (a plan records
 their addresses), so one recorded plan serves any mix of sequences and positions; the caller
-(llambda/kv_pool.py) guarantees every index is in range.
+(llambda/serving/kv_pool.py) guarantees every index is in range.
 
 Arenas are float32 or float16 (stored values rounded to the arena's type), or q8_0: uint8
 rows of int8 quants and f32 scales (codegen/contract.py ``kv_q8_row_bytes``), quantized by

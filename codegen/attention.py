@@ -1,4 +1,4 @@
-"""The passes of grouped-query causal attention that codegen/paged.py's kernel shares.
+"""The passes of grouped-query causal attention that codegen/paged/'s kernel shares.
 
 For query row i (at position p) and query head h, over the keys the row sees:
 
@@ -10,14 +10,14 @@ Query heads that share a KV head are processed together, up to MAX_HEADS at a
 time: each K and V row is then read once per query and KV head instead of once
 per query head, and at long contexts decode is bound by reading the cache.
 
-Three streaming passes per (query, heads sharing a KV head, key segment: codegen/paged.py):
+Three streaming passes per (query, heads sharing a KV head, key segment: codegen/paged/):
 
  1. scores: a block's keys at once from its key tile (codegen/contract.py), one
     vector of keys times one broadcast element of q per step of head_dim, summed in
-    interleaved partials (codegen/paged.py ``tile_scores``: one fixed order per key);
- 2. exp(s - max) in place on the score rows and their sum (codegen/paged.py's
+    interleaved partials (codegen/paged/ ``tile_scores``: one fixed order per key);
+ 2. exp(s - max) in place on the score rows and their sum (codegen/paged/'s
     ``emit_exp_row``: a segment is not normalised, the combine divides);
- 3. out = P V in key blocks of KEY_BLOCK keys (codegen/paged.py).
+ 3. out = P V in key blocks of KEY_BLOCK keys (codegen/paged/).
 
 In P V, a head_dim that is not a multiple of 8 ends in one masked chunk (VMASKMOVPS),
 so nothing past a row is read. This module emits no kernel of its own (no ``emit``).

@@ -18,7 +18,7 @@ CHUNK = 4            # quant bytes of one row per 32-byte load of a group
 # -- float weights (runtime/layout_float.py packs them, codegen/gemm.py reads them)
 PANEL = 16           # weight rows per panel: two ymm of f32 columns
 
-# -- the paged KV cache (llambda/kv_pool.py owns it; runtime/ref/paged.py defines the ops that
+# -- the paged KV cache (llambda/serving/kv_pool.py owns it; runtime/ref/paged.py defines the ops that
 #    read it): per layer an arena [n_blocks, n_kv_head, KV_BLOCK, head_dim], each (block, KV
 #    head) tile contiguous, the tiles block_tiles apart from one block to the next and
 #    head_tiles from one KV head to the next (the pool's arenas are views of one buffer
@@ -35,7 +35,7 @@ ARENA_TILES = (16, 24, 24)
 KV_Q8_BLOCK = 32
 KV_Q8_SCALE_BYTES = 4
 # q8_0 attention quantizes each head of q into a q8_0 row on the kernel's stack
-# (codegen/paged.py emit_query_quants): head_dim up to this; the binding refuses more.
+# (codegen/paged/scores.py emit_query_quants): head_dim up to this; the binding refuses more.
 MAX_Q8_QUERY_HEAD_DIM = 1024
 # Key arenas (the K cache) hold the same bytes per (block, KV head) as KV_BLOCK rows, laid out
 # as a key tile: [head_dim][KV_BLOCK], element d of key j of the block at d * KV_BLOCK + j, so
@@ -74,7 +74,7 @@ def kv_segments(keys):
 #    slack, score rows of KV_SEGMENT floats for ATTENTION_ROWS rows of up to 3 heads, then
 #    per row the partial records [segment][3 heads] of the segments its keys can span. A
 #    prompt's rows go through the AVX-512 float kernels ATTENTION_ROWS at a time, sharing
-#    each K and V row they load (codegen/paged.py "Rows in pairs").
+#    each K and V row they load (codegen/paged/__init__.py "Rows in pairs").
 ATTENTION_ROWS = 2
 
 # -- plans (runtime/plan.py writes records, codegen/executor.py walks them)

@@ -63,7 +63,7 @@ K_UNROLL = 4          # k steps per main-loop iteration
 # bytes: 18 KiB (f16) at k = 576. Asked 16 KiB ahead, a panel's stream was prefetched
 # only over its last 2 KiB, the other asks landing in the next panel behind where its own
 # stream was reading; 4 KiB ahead covers most of each panel. On the Intel host
-# (2026-12-06, README "Float models") that took two-thread F16 decode of SmolLM2 from
+# (2026-12-06, docs/perf-journal/2026-12-01-1413-float-models.md) that took two-thread F16 decode of SmolLM2 from
 # 95-99 to 112-115 tok/s and BF16's from 102-104 to 112-117, one-thread m = 16 products
 # streamed from memory from 100-103 to 115-116 GFLOP/s (576x576), with prefill unchanged.
 # (On Zen 5, 16 KiB had been tuned against the hardware prefetcher alone: 44 -> 53-65 GB/s
@@ -111,15 +111,15 @@ EDGE_ROWS = 6
 # FMAs cost a fifth of the peak). Fewer rows widen as they load (fewer tiles share a chunk).
 # The chunk is long: the buffer (3 panels x CHUNK_K x 64 bytes, 192 KiB) then sits in L2 as
 # the f32 panels do, and each row tile streams it whole. Short chunks that stay in L1 were
-# slower at m = 512 in A/B runs (README, "Float models"), and so was k-chunking the f32
+# slower at m = 512 in A/B runs (docs/perf-journal/2026-12-01-1413-float-models.md), and so was k-chunking the f32
 # kernel the same way (CHUNK_F32, kept for such runs). The stack must hold the buffer.
 CONVERT_MIN_ROWS = 32
 CHUNK_K = 1024
 # Bytes between the buffer's panels beyond their CHUNK_K x 64: without them the three panels
 # start 64 KiB apart, so the convert's three stores of a k step (and the tiles' three loads)
 # land in the same L1 and L2 sets. Five lines apart, F16 at m = 128 ran 2-6% faster with
-# the weights in cache and 1-4% streamed from memory, in alternating A/B runs (README,
-# "Float models").
+# the weights in cache and 1-4% streamed from memory, in alternating A/B runs (
+# docs/perf-journal/2026-12-01-1413-float-models.md).
 CONVERT_PANEL_GAP = 5 * 64
 CHUNK_F32 = False
 # While a converted block's row tiles compute, they ask L2 for the next block's weights

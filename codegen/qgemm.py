@@ -97,7 +97,7 @@ ISAS = ("avx2", "avx512")
 YMM_COUNT = 16
 # Decode streams the weights once: a software prefetch this far ahead of the hardware
 # prefetchers lifted a cold single-thread GEMV to the read probe's bandwidth on the AMD
-# host it was tuned on (4-64 KiB measured alike; the README has the figures).
+# host it was tuned on (4-64 KiB measured alike).
 PREFETCH_BYTES = 16384
 
 

@@ -8,7 +8,7 @@ by its path, before anything is installed, so it imports nothing from llambda.
   and the source key it was built from), and runtime/faults.py's SIGBUS handler bytes.
   runtime/library.py uses the library when that key is
   the key of the generators installed beside it. An editable install skips this: a
-  checkout builds into the cache on first use, as before.
+  checkout builds into its own build/kernels/ on first use.
 * ``bdist_wheel`` tags the wheel ``py3-none-<platform>``: Python modules plus one
   x86-64 shared library that links against nothing, so any CPython 3 on the platform
   runs it, but only on that platform.
@@ -62,7 +62,7 @@ if not source:
                  + " cannot import. Install Debian's python3-peachpy and build with a Python that sees it:"
                  + " python -m build --no-isolation (make wheel does).")
     source = os.path.join(tmp.name, "kernels")
-    build.build(source)
+    build.build(source)             # every family in a process of its own (codegen/job.py)
 os.makedirs(out)
 for name in (build.LIBRARY_NAME, build.MANIFEST_NAME, build.KEY_NAME):   # not the object file
     shutil.copy(os.path.join(source, name), out)

@@ -5,7 +5,13 @@ Where it comes from, first match wins:
 1. ``$LLAMBDA_KERNEL_DIR`` (built there if missing);
 2. the library a wheel ships in ``llambda/runtime/kernels/``, when its recorded source
    key is the key of the generators installed beside it;
-3. ``<cache>/kernels/<source key>/``, built there with PeachPy and ``ld`` if missing.
+3. ``<kernels>/<source key>/``, built there with PeachPy and ``ld`` if missing, where
+   ``<kernels>`` is ``<checkout>/build/kernels`` when llambda runs from a writable checkout
+   (the folder holding codegen/ and pyproject.toml), else ``<cache>/kernels``. A checkout's
+   library is the checkout's, not the model cache's: a new ``LLAMBDA_CACHE_DIR`` rebuilds
+   nothing. The build's per-family objects are kept in ``<kernels>/objects`` (a changed
+   generator rebuilds its own objects only; a killed build resumes), and only the newest
+   KEEP_LIBRARIES libraries of older keys are kept beside the current one.
 
 The key hashes the generators, so a changed generator (a development checkout)
 means a new directory and a rebuild; an unchanged one means loading only: the
@@ -40,12 +46,37 @@ class KernelLibraryError(UserError, RuntimeError):
 PACKAGED_DIR = Path(__file__).resolve().parent / "kernels"
 
 
+KEEP_LIBRARIES = 3                  # libraries of other keys kept: switching branches back is quick
+
+
+def checkout_dir():
+    """The llambda checkout these generators are in (holding codegen/ and pyproject.toml),
+    when it is writable; None for an installed llambda."""
+    from llambda import codegen
+    root = Path(codegen.__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "codegen").is_dir() and os.access(root, os.W_OK):
+        return root
+    return None
+
+
+def kernels_root():
+    """Where built libraries live, one directory per source key, and the objects they are
+    linked from: the checkout's build/kernels, else the user cache's kernels/."""
+    checkout = checkout_dir()
+    return checkout / "build" / "kernels" if checkout is not None else cache_dir() / "kernels"
+
+
+def objects_dir():
+    """The build's object cache (objects are keyed by their sources: any build may share it)."""
+    return kernels_root() / "objects"
+
+
 def library_dir():
-    """The cache directory of the library the current generators give (or the override)."""
+    """The directory of the library the current generators give (or the override)."""
     override = os.environ.get("LLAMBDA_KERNEL_DIR")
     if override:
         return Path(override)
-    return cache_dir() / "kernels" / current_source_key()
+    return kernels_root() / current_source_key()
 
 
 # How many (file stamps -> key) pairs the memo keeps: one per checkout that shares the cache.
@@ -86,7 +117,7 @@ def _generator_stamp():
     from llambda import codegen
     here = Path(codegen.__file__).resolve().parent
     lines = [f"families={os.environ.get('LLAMBDA_FAMILIES', '')}"]
-    paths = sorted(here.glob("*.py"))
+    paths = sorted(here.glob("*.py")) + sorted(here.glob("*/*.py"))     # family packages too
     try:
         spec = importlib.util.find_spec("peachpy")
     except ValueError:              # imported without a spec, or blocked (sys.modules entry None)
@@ -147,9 +178,11 @@ def locate():
                     current_source_key())
 
 
-def ensure_built(verbose=False):
-    """Return the directory of a current library, building it if needed."""
-    from llambda.codegen.build import LIBRARY_NAME, build
+def ensure_built(verbose=False, jobs=None):
+    """Return the directory of a current library, building it if needed (``jobs`` build
+    processes at a time; default: one per CPU this process may use)."""
+    from llambda.codegen import build as builder
+    from llambda.codegen.build import LIBRARY_NAME
     where = locate()
     if where.origin != "unbuilt":
         return where.directory
@@ -166,8 +199,30 @@ def ensure_built(verbose=False):
             "(run 'make kernels' in the llambda checkout)") from None
     if verbose:
         print(f"building kernel library in {directory}", flush=True)
-    build(directory)
+    objects = objects_dir()
+    builder.build(directory, objects=objects, jobs=jobs, verbose=verbose)
+    builder.prune(objects, KEEP_LIBRARIES)
+    if not os.environ.get("LLAMBDA_KERNEL_DIR"):
+        prune_libraries(directory.parent, directory)
     return directory
+
+
+def prune_libraries(root, current):
+    """Remove the libraries of other source keys in ``root`` beyond the KEEP_LIBRARIES newest,
+    and the temporary directories of builds killed an hour or more ago; never ``current``."""
+    import shutil
+    import time
+    libraries = [p for p in root.iterdir() if p.is_dir() and p != current and _is_key(p.name)]
+    libraries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    stale = libraries[KEEP_LIBRARIES:]
+    hour_ago = time.time() - 3600
+    stale += [p for p in root.glob(".build-*") if p.is_dir() and p.stat().st_mtime < hour_ago]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_key(name):
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
 
 
 class KernelLibrary:

@@ -18,6 +18,7 @@ from llambda.runtime import library
 def where(tmp_path, monkeypatch):
     """A packaged-library directory and an empty cache, both under tmp_path; no override."""
     monkeypatch.setattr(library, "PACKAGED_DIR", tmp_path / "site" / "kernels")
+    monkeypatch.setattr(library, "checkout_dir", lambda: None)     # as installed: builds go to the cache
     monkeypatch.setenv("LLAMBDA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("LLAMBDA_KERNEL_DIR", raising=False)
     monkeypatch.delenv("LLAMBDA_FAMILIES", raising=False)

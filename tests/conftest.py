@@ -16,9 +16,9 @@ settings.load_profile(os.environ.get("LLAMBDA_HYPOTHESIS", "ci" if os.environ.ge
 # The suite loads hundreds of throwaway models. Their conversions, checksum stamps and
 # recorded plans go to a cache of the run's own (LLAMBDA_CACHE_DIR, inherited by the processes
 # tests start), never into the user's: it holds links to what the suite only reads there (the
-# downloaded models, the kernel library, llama.cpp's vocabulary fixtures). A test of a cache
-# itself picks its own directory.
-SHARED_CACHE_DIRS = ("models", "kernels", "vocab")
+# downloaded models, the kernel library, llama.cpp's vocabulary fixtures, tests/fetched_files.py's
+# files). A test of a cache itself picks its own directory.
+SHARED_CACHE_DIRS = ("models", "kernels", "vocab", "test-data")
 
 if not os.environ.get("LLAMBDA_TEST_CACHE"):
     import atexit

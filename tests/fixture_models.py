@@ -1,6 +1,6 @@
 """Tiny random-weight GGUFs of every architecture and tensor type, from a seed.
 
-These are the models llama.cpp judges llambda on (tests/test_llamacpp_referee.py):
+These are the models llama.cpp judges llambda on (tests/bench/test_llamacpp_referee.py):
 tools/record_llamacpp_logits.py ran llama.cpp on each once and stored its logits
 with the sha256 of the file it ran and of its content (content_sha256); the test
 regenerates the file from the same seed, checks the content sha256 (so a change
@@ -27,7 +27,7 @@ The tensor names and weights are drawn here rather than through tests/synth.py
 so that a change to the benchmark generator does not invalidate the recorded
 fixtures; the keys, the tokenizer and the file itself are written by
 llambda/gguf/writer.py, whose key order the content sha256 pins (a change there
-fails tests/test_llamacpp_referee.py).
+fails tests/bench/test_llamacpp_referee.py).
 """
 from __future__ import annotations
 

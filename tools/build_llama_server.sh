@@ -6,12 +6,21 @@
 #
 #   sh tools/build_llama_server.sh [LLAMA_CPP_SOURCE] [BUILD_DIR]
 #
-# Defaults: the sdist unpacked in /work/dl and a build folder beside it. It takes about
-# 10 minutes on 2 cores. The binary ends up in BUILD_DIR/bin/llama-server; pass it to
+# Defaults: the sdist, downloaded from PyPI and unpacked into <cache>/llama-server/ (the
+# llambda cache: $LLAMBDA_CACHE_DIR, else ~/.cache/llambda), and a build folder there, where
+# `llambda bench --serve` looks first. It takes about 10 minutes on 2 cores. The binary ends
+# up in BUILD_DIR/bin/llama-server; another one is passed as
 #   llambda bench --serve --llama-server BUILD_DIR/bin/llama-server
 set -eu
-SRC=${1:-/work/dl/llama_cpp_python-0.3.36/vendor/llama.cpp}
-BUILD=${2:-/work/dl/llama-server-build}
+HOME_CACHE=${LLAMBDA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llambda}/llama-server
+SDIST=llama_cpp_python-0.3.36
+SRC=${1:-$HOME_CACHE/$SDIST/vendor/llama.cpp}
+BUILD=${2:-$HOME_CACHE/build}
+if [ $# -lt 1 ] && [ ! -f "$SRC/CMakeLists.txt" ]; then
+    mkdir -p "$HOME_CACHE"
+    python3 -m pip download --no-deps --no-binary llama-cpp-python --quiet -d "$HOME_CACHE" llama-cpp-python==0.3.36
+    tar -xzf "$HOME_CACHE/$SDIST.tar.gz" -C "$HOME_CACHE"
+fi
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
     echo "no llama.cpp source at $SRC (unpack the llama-cpp-python sdist: pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36)" >&2
     exit 1

@@ -15,7 +15,7 @@ logits (default 1.0); KL(llama.cpp || llambda) at the prompt end must be at most
 
 also writes llama.cpp's side (ids, greedy path, top logits per step) for
 llambda.bench.llamacpp_compare.check_recorded, so that make test checks the same file
-without llama.cpp (tests/test_real_recorded.py).
+without llama.cpp (tests/model/test_real_recorded.py).
 """
 import argparse
 import json

@@ -14,12 +14,12 @@ llama.cpp version and settings. tests/llamacpp_fixtures.py reads them back.
 The sets:
 - referee: every (arch, type) of tests/fixture_models.py (F32 K/V cache, so that
   float models compare tightly; logits float32 at POSITIONS; also the content
-  sha256, fixture_models.content_sha256) for tests/test_llamacpp_referee.py.
+  sha256, fixture_models.content_sha256) for tests/bench/test_llamacpp_referee.py.
 - q5, kquant: synth.write_random_llama models of awkward shapes (q5: 3
   heads, GQA 3:1, k = 96 and 160; kquant: 3 heads of 256, GQA 3:1, k = 768 and
   512, three and two super-blocks), every position of a 40-id prompt, logits
-  float16 (ample for the tolerances), for tests/test_q5.py and
-  tests/test_model_kquants.py.
+  float16 (ample for the tolerances), for tests/kernels/test_q5.py and
+  tests/model/test_model_kquants.py.
 
 A case llama.cpp refuses to load is reported and skipped. llama-cpp-python is
 needed only here, never by `make test`.

@@ -1,4 +1,4 @@
-"""Record llama.cpp's token ids for tricky texts: the reference tests/test_tokenizer.py
+"""Record llama.cpp's token ids for tricky texts: the reference tests/tokenizer/test_tokenizer.py
 compares llambda's tokenizer against.
 
 llama.cpp is reached through llama-cpp-python, which does not belong in the

@@ -3,7 +3,9 @@
 
     .venv/bin/python tools/requantize.py SRC.gguf DST.gguf TYPE [--threads N] [--pure]
     .venv/bin/python tools/requantize.py ~/.cache/llambda/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        /work/models/smollm2-135m-Q4_K_M.gguf Q4_K_M
+        smollm2-135m-Q4_K_M.gguf Q4_K_M
+
+(tests/fetched_files.py makes the test suite's variants this way, into the cache.)
 
 TYPE is a llama.cpp file type (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K, Q5_1, ...:
 the LLAMA_FTYPE_MOSTLY_* names). Re-quantizing an already quantized file is

@@ -28,9 +28,14 @@ from pathlib import Path
 import numpy as np
 
 STREAMS = (1, 4, 8, 16)
-DEFAULT_BUILD = Path("/work/dl/llama-server-build/bin/llama-server")
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
+
+
+def default_build():
+    """Where tools/build_llama_server.sh puts llama-server by default: the llambda cache."""
+    from llambda.runtime import paths
+    return paths.cache_dir() / "llama-server" / "build" / "bin" / "llama-server"
 
 
 # -- the servers ------------------------------------------------------------------------------
@@ -116,7 +121,8 @@ def find_llama_server(given=None):
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    return DEFAULT_BUILD if DEFAULT_BUILD.is_file() else None
+    built = default_build()
+    return built if built.is_file() else None
 
 
 # -- the client -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ recorded positions: 12-50 on these models):
   max |dlogit| <= 5% of the spread, the same top-1 token wherever llama.cpp's
   top-2 margin is at least 2% of the spread (random models have near ties: one
   llama Q5_K position has a margin of 0.007), and KL(llama.cpp || ours) <= 0.02
-  nats averaged over the positions (as tests/test_model.py does against the
+  nats averaged over the positions (as tests/model/test_model.py does against the
   reference). Measured on llama: the reference is within 0.3-2.6% of the spread
   and KL <= 0.0033; the fast path within 0.5-0.7% (Q8_0, Q4_0, Q4_1).
 """

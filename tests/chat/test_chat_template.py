@@ -319,11 +319,8 @@ def test_non_utf8_template_file_is_refused(tmp_path):
 # ---------------------------------------------------------------- the real Gemma 3 file
 
 def _gemma_gguf():
-    from llambda.model import catalog
-    for path in (catalog.cached_path(catalog.GEMMA3_270M), Path("/work/models/gemma-3-270m-q4_k_m.gguf")):
-        if path.exists():
-            return path
-    pytest.skip("the Gemma 3 270M GGUF is not downloaded (llambda fetch gemma3-270m --gguf)")
+    import fetched_files
+    return fetched_files.gemma_gguf()
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def test_numpy_backend_runs_a_model_like_the_kernels(tmp_path, tensor_type):
         np.testing.assert_allclose(got, reference, rtol=0, atol=1e-4 * (1 + np.abs(reference).max()))
     else:
         # int8 activations: a rounding difference can flip one activation's int8 value,
-        # and later layers amplify that; the bound of tests/test_model.py applies
+        # and later layers amplify that; the bound of tests/model/test_model.py applies
         assert np.abs(got - reference).max() <= 0.05 * (reference.max() - reference.min())
 
 

@@ -7,7 +7,7 @@ AVX512_BF16 the bf16_pairs model still runs on the numpy backend: with the CPU c
 patched, these tests convert such a file and check its logits against the reference
 forward that rounds its activations the same way (max |dlogit| <= 1e-3 * (1 + max |logit|),
 as for every float model), so the packing, the traits and the layer's rounding are
-tested here too; tests/test_model.py runs the same model on the kernels where it can.
+tested here too; tests/model/test_model.py runs the same model on the kernels where it can.
 """
 import json
 

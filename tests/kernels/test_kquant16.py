@@ -9,13 +9,13 @@ sum_k (|d sc q'| + |dmin m|) |a|: within 1e-5 of it for these k (as
 test_qgemm.py states for the other kinds).
 """
 import dataclasses
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import fetched_files
 from helpers import (activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
                      assert_reads_nothing_past_the_weight, assert_refused,
                      assert_row_range_writes_only_its_columns, float_arrays, misaligned,
@@ -26,7 +26,6 @@ from llambda.runtime.ref import kquants16 as kq
 TYPES = ["Q6_K", "Q3_K", "Q2_K"]
 KINDS = {"Q6_K": "q6_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}
 BLOCK, GROUP, SUPER = 32, 8, 256
-MODELS = Path("/work/models")
 # Tiles (codegen/qgemm_k16.py): AVX2 3 activation rows x 8 columns
 # (remainders of 1 and 2 rows); AVX-512 16 x 16, then 8, 4, 2, 1 rows, a lone last group
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 16, 17]) | st.integers(1, 24)
@@ -91,32 +90,18 @@ def test_layouts_are_as_compact_as_stated(type_name):
     assert all(a.ctypes.data % 64 == 0 for a in w.arrays.values())
 
 
-def _real_tensors():
-    """(file, tensor name) of the first tensor of each of our types in the real files on disk."""
-    found = {}
-    for path in sorted(MODELS.glob("*.gguf")):
-        if path.stat().st_size > 400 << 20:
-            continue
-        reader = gguf.GGUFReader(path)
-        for t in reader.tensors:
-            if t.tensor_type.name in TYPES and t.tensor_type.name not in found:
-                found[t.tensor_type.name] = (path, t.name)
-    return found
+# Where a real tensor of each type is: Gemma 3 270M's Q4_K_M (fetched), or llama.cpp's
+# re-quantizations of the default model (made when llama-cpp-python is installed).
+REAL_FILES = {"Q6_K": fetched_files.gemma_gguf, "Q3_K": lambda: fetched_files.variant("Q2_K"),
+              "Q2_K": lambda: fetched_files.variant("Q2_K-pure")}
 
 
-@pytest.fixture(scope="module")
-def real_tensors():
-    if not MODELS.is_dir():
-        pytest.skip(f"{MODELS} is not here")
-    return _real_tensors()
-
-
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])     # no real file has Q2_K tensors here
-def test_real_gguf_tensor(native, ref, real_tensors, type_name):
-    if type_name not in real_tensors:
-        pytest.skip(f"no {type_name} tensor in {MODELS}")
-    path, name = real_tensors[type_name]
-    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_real_gguf_tensor(native, ref, type_name):
+    path = REAL_FILES[type_name]()
+    found = fetched_files.tensors_of_type(path, type_name, 1)
+    assert found, f"{path} holds no {type_name} tensor"
+    tensor = found[0]
     k, n = (int(v) for v in tensor.shape)
     raw = np.asarray(tensor.data)[:300]
     n = raw.shape[0]
@@ -265,4 +250,4 @@ def test_random_model_matches_reference_forward(tmp_path, type_name):
         assert mean_kl(want, fast) <= 0.01
         assert np.abs(fast - want).max() <= 0.05 * (want.max() - want.min())
     step = model.evaluate(ids[:5])
-    np.testing.assert_array_equal(step, model.logits(ids[:5])[-1])      # tests/test_batch_invariance.py
+    np.testing.assert_array_equal(step, model.logits(ids[:5])[-1])      # tests/kernels/test_batch_invariance.py

@@ -1,8 +1,8 @@
 """Q4_K and Q5_K: the reference dequantizers, the packed layouts and the qgemm kernels.
 
 Reference and layouts are compared with gguf's own dequantization bit for bit,
-on random valid super-blocks (always) and on the real tensors of the model
-files in /work/models (skipped when absent). The kernels are fuzzed against
+on random valid super-blocks and on the real tensors of Gemma 3 270M Q4_K_M and of the
+default model re-quantized by llama.cpp (tests/fetched_files.py). The kernels are fuzzed against
 the numpy reference GEMM (runtime/ref/quant.py, through the layout).
 """
 import dataclasses
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import fetched_files
 from helpers import (activation_magnitudes, assert_close_to_reference, assert_reads_nothing_past_the_weight,
                      assert_refused, assert_row_range_writes_only_its_columns, misaligned, q8_activations,
                      qgemm_both, qgemm_on, quantized_activations, random_activations, runnable,
@@ -23,9 +24,10 @@ from llambda.runtime.ref import kquants
 
 BLOCK, GROUP, SUPER = 32, 8, 256
 TYPES = ["Q4_K", "Q5_K"]
-MODELS = "/work/models"
-REAL_FILES = {"Q4_K": ["gemma-3-270m-q4_k_m.gguf", "smollm2-135m-Q4_K_M.gguf"],
-              "Q5_K": ["smollm2-135m-Q5_K_M.gguf"]}
+# Where real tensors of each type are: a fetched file, or a llama.cpp re-quantization of the
+# default model (made when llama-cpp-python is installed; tests/fetched_files.py).
+REAL_FILES = {"Q4_K": (fetched_files.gemma_gguf, lambda: fetched_files.variant("Q4_K_M")),
+              "Q5_K": (lambda: fetched_files.variant("Q5_K_M"),)}
 
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33, 37]) | st.integers(1, 40)
 n_sizes = st.sampled_from([1, 7, 8, 9, 15, 16, 17, 24, 25, 33, 100]) | st.integers(1, 120)
@@ -49,24 +51,25 @@ def assert_bits_equal(got, want):
 
 @functools.lru_cache(maxsize=None)
 def _tensors_on_disk(type_name):
-    found = []
-    for file in REAL_FILES[type_name]:
-        path = os.path.join(MODELS, file)
-        if not os.path.exists(path):
+    found, skipped = [], []
+    for source in REAL_FILES[type_name]:
+        try:
+            path = source()
+        except pytest.skip.Exception as e:      # a variant that cannot be made here
+            skipped.append(str(e))
             continue
-        for t in gguf.GGUFReader(path).tensors:
-            if t.tensor_type.name == type_name:
-                k, n = (int(x) for x in t.shape[:2])
-                found.append((file, t.name, t.data, n, k))
-    return found
+        for t in fetched_files.tensors_of_type(path, type_name):
+            k, n = (int(x) for x in t.shape[:2])
+            found.append((path.name, t.name, t.data, n, k))
+    return found, tuple(skipped)
 
 
 def real_tensors(type_name, per_file=None):
     """(file, name, raw, n, k) of the real ``type_name`` tensors on disk (the first ``per_file``
     of each file); skips when there are none."""
-    found = _tensors_on_disk(type_name)
+    found, skipped = _tensors_on_disk(type_name)
     if not found:
-        pytest.skip(f"no model file with {type_name} tensors in {MODELS}")
+        pytest.skip("; ".join(skipped) or f"no {type_name} tensor in {', '.join(map(str, REAL_FILES[type_name]))}")
     if per_file is None:
         return found
     return [t for i, t in enumerate(found) if sum(u[0] == t[0] for u in found[:i]) < per_file]

@@ -238,7 +238,7 @@ def test_a_row_depends_only_on_its_own_query_and_keys(native, data):
 @given(st.data())
 def test_prompt_rows_in_pairs_give_each_row_alone(native, ref, data):
     """A prompt chunk: consecutive positions of one sequence, past a segment or two, so that
-    the AVX-512 f32 and f16 kernels take its rows two at a time (codegen/paged.py "Rows in
+    the AVX-512 f32 and f16 kernels take its rows two at a time (codegen/paged/__init__.py "Rows in
     pairs": the segments both rows see whole together, then each row's later segments alone).
     Each row gives the bits it gives alone (m = 1, never paired), on either side of a segment
     end and with odd m (a row left alone), and the reference's values within the tolerance.

@@ -2,13 +2,13 @@
 against the reference, and the qgemm kernels (codegen/qgemm.py, five-bit kinds) against the
 numpy reference GEMM on both ISAs."""
 import dataclasses
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import fetched_files
 from helpers import (LEGACY_BLOCKS, activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
                      assert_reads_nothing_past_the_weight, assert_refused,
                      assert_row_range_writes_only_its_columns, drawn_weight, misaligned, q8_activations,
@@ -23,8 +23,9 @@ from llambda.codegen.contract import BLOCK, GROUP
 TYPES = ("Q5_0", "Q5_1")
 REFERENCE = {"Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1}
 SCALE_FIELDS = {name: LEGACY_BLOCKS[name][1] for name in TYPES}
-# Real files holding these types (llama.cpp falls back to Q5_0 where Q4_K does not fit).
-REAL_FILES = {"Q5_1": "/work/models/smollm2-135m-Q5_1.gguf", "Q5_0": "/work/models/smollm2-135m-Q4_K_M.gguf"}
+# Real files holding these types (llama.cpp falls back to Q5_0 where Q4_K does not fit, as
+# in Gemma 3 270M's Q4_K_M; Q5_1 only from llama.cpp re-quantizing the default model).
+REAL_FILES = {"Q5_1": lambda: fetched_files.variant("Q5_1"), "Q5_0": fetched_files.gemma_gguf}
 
 # AVX2 tiles: 6 rows (remainders 1..5); AVX-512: 16, 8, 4, 2, 1 rows and a lone last row group.
 m_sizes = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 25, 33, 37]) | st.integers(1, 40)
@@ -55,13 +56,9 @@ def test_reference_dequantizer_on_gguf_quantized_values(type_name, n, blocks):
 
 
 def real_tensors(type_name, count=3):
-    path = Path(REAL_FILES[type_name])
-    if not path.exists():
-        pytest.skip(f"{path} is not on this machine")
-    reader = gguf.GGUFReader(path)
-    found = [t for t in reader.tensors if t.tensor_type.name == type_name][:count]
-    if not found:
-        pytest.skip(f"{path} holds no {type_name} tensor")
+    path = REAL_FILES[type_name]()
+    found = fetched_files.tensors_of_type(path, type_name, count)
+    assert found, f"{path} holds no {type_name} tensor"
     return found
 
 

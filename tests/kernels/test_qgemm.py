@@ -57,7 +57,7 @@ def test_qgemm_row_range_writes_only_its_columns(native, ref, isa, data, type_na
 @given(st.data(), st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), m_sizes, n_sizes, k_sizes)
 def test_qgemm_variants_agree_bit_for_bit(native, wide_isa, data, type_name, m, n, k):
     """Every tile of both variants sums a row in the same order (codegen/qgemm.py), so every
-    row agrees; tests/test_batch_invariance.py checks rows against their batch."""
+    row agrees; tests/kernels/test_batch_invariance.py checks rows against their batch."""
     w = drawn_weight(data.draw, type_name, n, k)
     qs, d, s = quantized_activations(native, data.draw, m, k)
     baseline, got = qgemm_on(native, "avx2", qs, d, s, w), qgemm_on(native, wide_isa, qs, d, s, w)

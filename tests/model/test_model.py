@@ -86,7 +86,7 @@ def test_logits_match_reference(tiny_model, monkeypatch):
 def test_decode_step_by_step_equals_prefill(tiny_model, monkeypatch):
     """The KV cache path (one token at a time) gives the prefill's logits: bit for bit with
     quantized weights (the qgemm kernels sum a row alike whatever m and ISA:
-    tests/test_batch_invariance.py); float weights' GEMM still rounds by m (codegen/gemm.py)."""
+    tests/kernels/test_batch_invariance.py); float weights' GEMM still rounds by m (codegen/gemm.py)."""
     t, path = tiny_model
     model = _load(t, path, monkeypatch, n_ctx=64)
     ids = random_prompt(model.config.vocab_size, 20, 3)

@@ -31,7 +31,7 @@ def kquant_model(request, tmp_path_factory):
 
 def test_logits_match_reference(kquant_model):
     # the weights' path against the reference: an f32 KV cache, as the reference keeps
-    # (tests/test_kv_types.py bounds what the f16 and q8_0 caches add)
+    # (tests/model/test_kv_types.py bounds what the f16 and q8_0 caches add)
     model = llambda.load(kquant_model, n_ctx=256, progress=False, kv_type="f32")
     checked = []
     for n, seed in ((1, 0), (13, 1), (150, 2)):
@@ -53,7 +53,7 @@ def test_decode_step_by_step_equals_prefill(kquant_model):
     ids = random_prompt(model.config.vocab_size, 20, 3)
     full = model.logits(ids)
     for i in range(1, len(ids) + 1):
-        # bit for bit: every qgemm tile sums a row alike (tests/test_batch_invariance.py)
+        # bit for bit: every qgemm tile sums a row alike (tests/kernels/test_batch_invariance.py)
         np.testing.assert_array_equal(model.evaluate(ids[:i]), full[i - 1], err_msg=f"position {i - 1}")
 
 

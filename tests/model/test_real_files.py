@@ -10,7 +10,7 @@ default model once fetched), with each built-in prompt:
 - KL(llama.cpp || llambda) at the prompt end <= 0.05 nats.
 Needs llama-cpp-python.
 
-    LLAMBDA_REAL_MODELS=/work/models:$HOME/.cache/llambda/models .venv/bin/python -m pytest tests/test_real_files.py
+    LLAMBDA_REAL_MODELS=~/models:$HOME/.cache/llambda/models .venv/bin/python -m pytest tests/model/test_real_files.py
 """
 import importlib.util
 import os

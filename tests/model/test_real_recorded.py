@@ -5,7 +5,7 @@ tensors, a 262,144-token SentencePiece vocabulary) against llama.cpp's side reco
 paths and top logits were recorded with
 `tools/compare_llamacpp.py gemma-3-270m-q4_k_m.gguf --steps 24 --prompt ... --record
 tests/fixtures/gemma3_270m_llamacpp.json` (llama-cpp-python 0.3.36, flash attention), so
-this test needs no llama.cpp. The checks are tests/test_real_files.py's:
+this test needs no llama.cpp. The checks are tests/model/test_real_files.py's:
 - prompt token ids equal llama.cpp's, with and without special tokens;
 - teacher-forced along llama.cpp's greedy path, the argmax equals llama.cpp's wherever its
   top-2 margin is at least DEFAULT_MARGIN (1 logit);
@@ -23,6 +23,7 @@ import pytest
 import llambda
 from llambda.model import catalog
 from llambda.bench.llamacpp_compare import DEFAULT_KL_MAX, DEFAULT_MARGIN, check_recorded, format_report
+import fetched_files
 from repo_paths import FIXTURES
 
 FIXTURE = FIXTURES / "gemma3_270m_llamacpp.json"
@@ -31,9 +32,7 @@ CHAT_QUESTION = "What is the capital of France? Answer in one word."
 
 @pytest.fixture(scope="module")
 def gemma():
-    path = catalog.cached_path(catalog.lookup("gemma3-270m"))
-    if not path.exists():
-        pytest.skip(f"{path} is missing: `llambda fetch gemma3-270m --gguf` (make test does it)")
+    path = fetched_files.gemma_gguf()
     with llambda.load(str(path), n_ctx=256, progress=False) as model:
         yield model
 

@@ -75,7 +75,7 @@ def test_eviction_never_takes_a_block_in_use():
 def test_free_blocks_are_handed_out_lowest_first_after_sequences_come_and_go():
     """A sequence's fresh blocks are the lowest free ones, in ascending order, also after other
     sequences have closed: its tiles of one KV head then lie in address order, which the
-    attention kernel reads fastest (README, "a KV cache laid out by KV head")."""
+    attention kernel reads fastest (docs/perf-journal/2026-12-06-2356-kv-cache-by-kv-head.md)."""
     p = pool(n_blocks=30)
     a, a_blocks, _, _ = p.open(list(range(5 * B)), 5 * B)
     b, b_blocks, _, _ = p.open(list(range(100, 100 + 5 * B)), 5 * B)
@@ -242,7 +242,7 @@ def test_the_pool_collapses_only_huge_pages_whose_blocks_are_all_written():
 
 def test_the_pool_collapses_on_a_thread_of_its_own_and_the_bytes_stay(monkeypatch):
     """Sealing collapses nothing, and collapse_filled never waits for a collapse (one can take
-    tens of ms, README): each runs on the background thread, in the order asked, and the
+    tens of ms, docs/perf-journal/2026-12-06-0630-collapses-top-p-conversions.md): each runs on the background thread, in the order asked, and the
     pages read the same bytes after it."""
     import threading
     from llambda.runtime import buffers

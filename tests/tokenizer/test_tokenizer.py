@@ -176,16 +176,12 @@ def test_sentencepiece_byte_fallback_needs_all_256_byte_tokens():
 
 
 # Gemma 3's real vocabulary (262,144 SentencePiece tokens with byte fallback): too
-# large to commit, so its test runs where the model file is (`llambda fetch
-# gemma3-270m` puts it in the cache; LLAMBDA_GEMMA3_GGUF names another copy).
+# large to commit, so it is read from the model file, fetched into the cache
+# (tests/fetched_files.py; LLAMBDA_GEMMA3_GGUF names another copy).
 
 def gemma3_gguf():
-    from llambda.runtime import paths
-    path = os.environ.get("LLAMBDA_GEMMA3_GGUF") or \
-        str(paths.cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf")
-    if not os.path.exists(path):
-        pytest.skip(f"the Gemma 3 270M GGUF is not at {path} (llambda fetch gemma3-270m)")
-    return path
+    import fetched_files
+    return os.environ.get("LLAMBDA_GEMMA3_GGUF") or str(fetched_files.gemma_gguf())
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import pytest
 
 import llambda
 from llambda.api import vocabulary_size
+import vocab_fixtures
 from synth_arch import write_random_model
 
 SIZES = dict(arch="qwen2", n_layer=1, dim=32, n_head=2, n_kv_head=1, ffn_dim=48, n_ctx=128)
-VOCAB_DIR = Path("/work/dl/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
 
 
 def test_vocabulary_size_drops_trailing_pad_fillers():
@@ -33,9 +33,7 @@ def test_vocabulary_size_drops_trailing_pad_fillers():
 # vocabulary file gives 151,646 of 151,936 the same way)
 @pytest.mark.parametrize("name, expected", [("phi-3", 32011)])
 def test_vocabulary_size_of_real_vocabularies(name, expected):
-    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} not unpacked")
+    path = vocab_fixtures.vocab_path(name)          # llama.cpp's own file, fetched into the cache
     tokens = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
     assert vocabulary_size(tokens, rows=len(tokens)) == expected
 

@@ -9,7 +9,7 @@
 
 Where both run, which is faster depends on the CPU: on Zen 4, whose 512-bit FMAs run at the
 256-bit rate, ``vdpbf16ps`` does twice the float kernel's multiply-adds; on the Intel host
-measured before it ran at about half of it (README, "Float models"). So ``auto`` (the
+measured before it ran at about half of it (docs/perf-journal/2026-12-01-1413-float-models.md). So ``auto`` (the
 default) times both kernels once per machine on one product of a typical shape and keeps
 the answer in the cache directory. ``LLAMBDA_BF16_MATH=f32|bf16|auto`` chooses explicitly.
 

@@ -13,7 +13,7 @@ run() returns when worker 0 has seen the whole plan finished, while a worker
 whose core was taken by another process may still be walking the ops it
 missed, finding them done. The job it holds keeps the plan's arrays alive
 until it is back. A sleeping worker joins a run only after its wake-up latency
-(paid once per plan; the README has the figures), and starts on whatever
+(paid once per plan), and starts on whatever
 chunks are left.
 
 A run takes the pool's first workers only, the others not woken: ``plan.n_threads``

@@ -12,7 +12,7 @@ For one prompt:
 
 llama.cpp runs through llama-cpp-python (optional: `pip install llama-cpp-python`),
 with flash attention and its default F16 K/V cache, as a user would run it.
-tools/compare_llamacpp.py is the command line; tests/test_real_files.py runs the
+tools/compare_llamacpp.py is the command line; tests/model/test_real_files.py runs the
 same checks on whatever real files are present.
 """
 from __future__ import annotations

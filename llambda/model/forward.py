@@ -41,7 +41,7 @@ DEFAULT_BATCH = 128
 # Rows per step when the blocks' weights are float (f32, f16, bf16): they are 2-4 bytes a
 # weight against the quantized kinds' 0.3-1.1, and a float GEMM block waits on its weights
 # from memory; twice the rows read each weight byte half as often. A gain where memory is
-# slow against the FMAs, level where it is not (README "Float models"). Quantized models
+# slow against the FMAs, level where it is not (docs/perf-journal/2026-12-01-1413-float-models.md). Quantized models
 # keep 128 rows: the larger buffers would raise their peak RSS (issue 11's part 4) for a
 # smaller gain.
 FLOAT_BATCH = 256

@@ -8,13 +8,13 @@ that keeps each (layer, KV head)'s blocks together: free blocks are handed out l
 (a heap, also after sequences have come and gone), so a sequence's tiles of one KV head in
 one layer are one run in address order, which the attention kernel reads in order and the
 prefetchers follow (a buffer holding block b of every layer together, as before, left runs
-of one tile; README, "a KV cache laid out by KV head"). Each 2 MiB of the buffers whose blocks have all been written is collapsed
+of one tile; docs/perf-journal/2026-12-06-2356-kv-cache-by-kv-head.md). Each 2 MiB of the buffers whose blocks have all been written is collapsed
 into a huge page (``filled``, then ``collapse_filled`` once the engine has had nothing to run
 for a while): fewer page walks, though with this layout only a pool whose blocks in use
 outnumber a huge page's tiles fills whole ones.
 A collapse is not free, though: with the pool's threads on both cores of a 2-vCPU VM one
 took 5-70 ms (0.5 ms in a process of one thread), stalling or slowing the steps around it
-(README, "The KV cache in 2 MiB pages"); so none runs while sequences run. Resident memory stays what was written: a short context stays in small pages.
+(docs/architecture.md, "The KV cache in 2 MiB pages"); so none runs while sequences run. Resident memory stays what was written: a short context stays in small pages.
 
 Blocks are handed out from a free list. A block whose KV_BLOCK positions are all computed
 is *sealed*: it gets a key, a digest of its tokens chained to the key of the block before

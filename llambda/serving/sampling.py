@@ -12,7 +12,7 @@ caches, so each numpy call costs several times what it does warm (code fetched f
 memory again), and each whole-vocabulary pass counts: greedy is one argmax, a draw over
 the whole vocabulary sums it in blocks and scans one block, the candidates of top-k
 come from the logits near the best when enough of them are, and a top-k of up to
-FEW_TOP_K filters them on Python floats (README, "Sampling between steps").
+FEW_TOP_K filters them on Python floats (docs/perf-journal/2026-12-06-0428-sampling-between-steps.md).
 
 Top-p judges each candidate's share as a float32 weight exp(logit - best), the one an
 unfiltered draw uses, over the candidates' float64 total: the float64 exp of every logit

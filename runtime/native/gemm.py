@@ -44,7 +44,7 @@ M_BLOCK = 512
 GEMM_TILES = {"avx2": "6x32", "avx512": "8x48"}
 ISA_CAP = "LLAMBDA_ISA"
 # Below this many rows the AVX2 kernel is used where both run. The two compute every
-# output in the same order (bit-identical, tests/test_gemm.py), so the switch is a
+# output in the same order (bit-identical, tests/kernels/test_gemm.py), so the switch is a
 # speed choice that no result can see.
 AVX512_MIN_ROWS = 1
 # Threads split the columns in multiples of this (runtime/recorder.py): whole column

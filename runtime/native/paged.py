@@ -1,4 +1,4 @@
-"""Bindings: the paged KV cache's kernels (codegen/paged.py), the same ops and signatures as
+"""Bindings: the paged KV cache's kernels (codegen/paged/), the same ops and signatures as
 runtime/ref/paged.py.
 
     kv_store_paged(src, positions, row_seq, tables, arena, heads=None)
@@ -13,7 +13,7 @@ Each ``*_call`` twin validates and returns ``(symbol, args)`` for a plan (the re
 splits kv_store_paged by KV heads, attention_paged by query heads and rows, or for a
 decode step by query heads and key segments, ``attention_paged_call(..., partials=,
 segments=(seg0, step))``, then ``attention_combine_call``; gather_rows by rows). Every
-split gives the bits of the whole call (codegen/paged.py). ``isa=`` picks the attention
+split gives the bits of the whole call (codegen/paged/). ``isa=`` picks the attention
 variant (``attention_isas()``); by default the widest this machine runs for head_dim.
 
 What is checked here: shapes, dtypes, strides, alignment, that outputs overlap no input,
@@ -56,7 +56,7 @@ STORE_SYMBOLS = {np.dtype(np.float32): "llb_kv_store_paged_f32__avx2",
 # Keys are stored in the key layout (codegen/contract.py, key arenas): each (block, KV head) a
 # tile [head_dim][KV_BLOCK], the same bytes as KV_BLOCK rows; values stay rows.
 KEY_STORE_SYMBOLS = {dtype: name.replace("kv_store", "key_store") for dtype, name in STORE_SYMBOLS.items()}
-MAX_KEY_HEAD_DIM = 1024             # f16 / q8_0: the key store's stack copy of a row (codegen/paged.py)
+MAX_KEY_HEAD_DIM = 1024             # f16 / q8_0: the key store's stack copy of a row (codegen/paged/)
 ATTENTION_SYMBOLS = {np.dtype(np.float32): "llb_attention_paged_f32__avx2",
                      np.dtype(np.float16): "llb_attention_paged_f16__avx2",
                      np.dtype(np.uint8): "llb_attention_paged_q8_0__avx2"}
@@ -72,7 +72,7 @@ def attention_symbol(dtype, isa):
 
 
 # q8_0 scores are exact int8 dot products of the key's quants and q's, each head of q
-# quantized once per row as the store quantizes a row (codegen/paged.py tile_scores_vnni on
+# quantized once per row as the store quantizes a row (codegen/paged/scores.py tile_scores_vnni on
 # avx512, which needs AVX512_VNNI as well, and tile_scores_int8 on avx2): the scores of the
 # quantized q (runtime/ref/paged.py attention_paged). Both keep q's q8_0 rows on the stack:
 # head_dim <= MAX_Q8_QUERY_HEAD_DIM (the key store's limit too, MAX_KEY_HEAD_DIM).
@@ -121,7 +121,7 @@ HEAD_DIM_MULTIPLE = {np.dtype(np.float16): 8, np.dtype(np.uint8): KV_Q8_BLOCK}
 GATHER_SYMBOL = "llb_gather_rows_f32__avx2"
 COMBINE_SYMBOL = "llb_attention_combine_f32__avx2"
 
-# Mirrors codegen/paged.py (from codegen/attention.py): query heads sharing a KV head done
+# Mirrors codegen/paged/ (from codegen/attention.py): query heads sharing a KV head done
 # together, each with one score row of KV_SEGMENT floats, for ATTENTION_ROWS rows at a time
 # (a prompt's rows in pairs); after them, for whole rows, each row's partial records
 # [segment][MAX_HEADS] of the segments its keys can span.

@@ -39,7 +39,7 @@ AVX512_MIN_ROWS = 4
 # (one pass of 3 rows where AVX2 runs a 3-row tile too); at m = 2 AVX2 stays ahead.
 AVX512_MIN_ROWS_BY_KIND = {"q4_1": 3, "q8_0": 3}
 # ... and from one row (decode) on CPUs of these vendors, which run 512-bit operations at full
-# width. In the model, at 2 threads on the Intel Xeon host (README, 2026-12-01), the AVX-512
+# width. In the model, at 2 threads on the Intel Xeon host (docs/perf-journal/2026-12-01-1729-decode-row-on-avx512-tiles.md), the AVX-512
 # tiles decode SmolLM2's Q4_1 GEMMs about 9% and its Q8_0 LM head about 27% faster than
 # AVX2. On the AMD Zen 4 host, which splits 512-bit operations in two, AVX2 was ahead at
 # m = 1 (the measurement above).

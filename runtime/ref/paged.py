@@ -73,7 +73,7 @@ def key_tiles(arena, head_dim=None):
     """A key arena from an arena of rows (same shape, dtype and bytes per (block, head)):
     each (block, KV head) becomes a tile [head_dim][KV_BLOCK], key j of the block in lane j;
     for q8_0 the quants so, then the scales as [head_dim / 32][KV_BLOCK] f32. The scores
-    kernel then has the block's keys in the lanes of a vector (codegen/paged.py)."""
+    kernel then has the block's keys in the lanes of a vector (codegen/paged/)."""
     nb, n_kv, block, row = arena.shape
     if arena.dtype != np.uint8:
         return np.ascontiguousarray(arena.transpose(0, 1, 3, 2)).reshape(arena.shape)

@@ -54,3 +54,26 @@ def test_no_tracked_file_names_a_machine_folder():
 ])
 def test_the_pattern_tells_machine_folders_from_system_ones(text, named):
     assert bool(MACHINE_PATH.search(text)) == named
+
+
+def test_the_layer_picture_names_the_modules_that_exist():
+    """docs/architecture.md draws llambda/'s subpackages and their modules: every module it
+    names exists, and every subpackage is drawn (a move that forgets the picture fails here)."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    picture = text.split("## The layers", 1)[1].split("```")[1]
+    drawn, package = {}, None
+    for line in picture.splitlines():
+        branch = re.match(r"\s*[├└]── (\w+)(/?)\s", line)
+        if branch:
+            package = branch.group(1) if branch.group(2) else ""
+        elif not re.match(r"\s*│\s", line):
+            package = None
+        if package is not None:
+            names = re.findall(r"\b(\w+\.py)\b", line)
+            drawn.setdefault(package, set()).update(names)
+    llambda_dir = REPO / "llambda"
+    missing = [f"llambda/{p + '/' if p else ''}{n}" for p, names in drawn.items() for n in names
+               if not (llambda_dir / p / n).is_file()]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    packages = {d.name for d in llambda_dir.iterdir() if (d / "__init__.py").is_file()}
+    assert packages <= set(drawn), f"subpackages missing from the picture: {sorted(packages - set(drawn))}"

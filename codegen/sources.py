@@ -43,11 +43,6 @@ def module_names(here):
     return sorted(n for n in names if not n.startswith("_") and n != PACKAGING)
 
 
-def generator_files(here):
-    """Every source file the library is built from, in a fixed order."""
-    return [path for name in module_names(here) for path in module_files(here, name)]
-
-
 def _top_level(here, name):
     """The ``__init__.py`` or module file whose top level names a family's emit, ISAS, PARTS."""
     package = Path(here) / name / "__init__.py"
@@ -132,9 +127,7 @@ def library_key(here, family_names, peachpy):
     here = Path(here)
     digest = hashlib.sha256()
     digest.update(",".join(family_names).encode())
-    for path in generator_files(here):
-        digest.update(path.relative_to(here).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes())
+    _hash_files(digest, here, module_names(here))             # every generator file
     if peachpy:
         digest.update(peachpy.encode())
     return digest.hexdigest()[:16]

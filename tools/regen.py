@@ -16,11 +16,22 @@ from llambda.codegen import build
 from llambda.runtime import library
 
 
+def _positive(text):
+    """--jobs N: a whole number of processes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--force", action="store_true", help="rebuild even if the library is current")
     p.add_argument("--quiet", action="store_true", help="print nothing")
-    p.add_argument("--jobs", type=int, metavar="N", help="build processes at a time (default: one per CPU)")
+    p.add_argument("--jobs", type=_positive, metavar="N", help="build processes at a time (default: one per CPU)")
     p.add_argument("--disasm", metavar="SYMBOL", help="disassemble one kernel")
     args = p.parse_args(argv)
 

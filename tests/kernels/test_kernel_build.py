@@ -11,7 +11,7 @@ import pytest
 
 from llambda.codegen import build, sources
 from llambda.runtime import library
-from repo_paths import REPO
+from repo_paths import REPO, TOOLS
 
 # A family's kernel: what codegen/common.py's Kernel carries, without numpy or contract.py.
 FAMILY_TEMPLATE = '''
@@ -185,3 +185,13 @@ def test_a_real_family_builds_and_loads(tmp_path, monkeypatch):
     assert {k["isa"] for k in manifest} == {"avx2", "avx512"} and all(k["code_bytes"] > 0 for k in manifest)
     lib = library.KernelLibrary(tmp_path / "lib")
     assert set(lib.manifest) == {k["symbol"] for k in manifest}
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_regen_refuses_a_jobs_count_that_is_no_positive_number(jobs, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import regen
+    with pytest.raises(SystemExit) as exit_:
+        regen.main(["--jobs", jobs])
+    assert exit_.value.code == 2
+    assert f"--jobs: {jobs!r} is not a whole number >= 1" in capsys.readouterr().err

@@ -213,23 +213,37 @@ class Model:
     # -- generation -------------------------------------------------------------
     def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                  repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-                 truncate=False, stats=None, add_special=True, ignore_eos=False):
+                 truncate=False, stats=None, add_special=True, ignore_eos=False, **constraint):
         """Yield the text of the continuation of ``prompt`` (a string or a list of token ids).
-        Safe from any thread; closing the generator early cancels the sequence."""
+        Safe from any thread; closing the generator early cancels the sequence.
+        ``constraint``: at most one of json_schema=, json_object=True, grammar= (GBNF), regex=,
+        choice=, lark= (see submit)."""
         completion = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  seed=seed, stop=stop, truncate=truncate, add_special=add_special,
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, **constraint)
         return generation.stream(completion, stats)
 
     def submit(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-               truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None):
+               truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None,
+               json_schema=None, json_object=False, grammar=None, regex=None, choice=None, lark=None,
+               constraint=None):
         """Queue a generation and return its llambda.serving.engine.Completion at once: iterate it for
         Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
         ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
-        many alternatives each event lists. Raises EngineBusy when too many are waiting."""
+        many alternatives each event lists. Raises EngineBusy when too many are waiting.
+
+        Structured output (at most one): ``json_schema`` (a dict or its JSON text: the reply is
+        JSON valid under it), ``json_object=True`` (any JSON object), ``grammar`` (a llama.cpp
+        GBNF grammar), ``regex`` (the reply matches it whole), ``choice`` (a list of strings: the
+        reply is one of them), ``lark`` (llguidance's Lark syntax). Every token then follows it;
+        the reply ends when the grammar is complete (stop_reason "grammar") or at an
+        end-of-generation token where it may end. A constraint that cannot be built raises
+        llambda.serving.constraints.ConstraintError (a UserError) naming the option.
+        ``constraint``: instead, one made by ``Model.constraint`` (not shared with another
+        sequence)."""
         prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
         from llambda.serving.sampling import Sampler
         try:
@@ -244,8 +258,24 @@ class Model:
         if truncate and len(ids) > self.n_ctx - 1:
             ids = ids[-(self.n_ctx - 1):]
         self._check_ids(ids)
+        kinds = self.constraint(json_schema=json_schema, json_object=json_object, grammar=grammar,
+                                regex=regex, choice=choice, lark=lark)
+        if kinds is not None and constraint is not None:
+            raise UserError("give a constraint keyword (json_schema=, ...) or constraint=, not both")
+        constraint = constraint or kinds
         return self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, on_event=on_event)
+                                  logprobs=logprobs, on_event=on_event, constraint=constraint)
+
+    def constraint(self, *, field=None, **kinds):
+        """A llambda.serving.constraints.Constraint of this model's vocabulary for the one
+        constraint keyword given (submit's json_schema=, grammar=, ...), or None for none.
+        ``field``: the name its errors give (the server's request field)."""
+        from llambda.serving import constraints
+        grammar = constraints.grammar_from(field=field, **kinds)
+        if grammar is None:
+            return None
+        given = next(kind for kind in constraints.KINDS if kinds.get(kind) not in (None, False))
+        return constraints.Constraint(grammar, self.tokenizer, self.n_vocab, field=field or given)
 
     def stats(self):
         """The engine's gauges and counters (requests running and waiting, tokens, KV blocks)."""
@@ -271,7 +301,8 @@ class Model:
             raise UserError(f"{error}{hint_for_failed_template(template)}") from None
 
     def chat(self, messages, **kwargs):
-        """Yield the assistant's reply to ``messages`` ([{"role", "content"}, ...])."""
+        """Yield the assistant's reply to ``messages`` ([{"role", "content"}, ...]); ``kwargs``
+        are generate()'s, json_schema= and the other constraints too."""
         text = self.render_chat(messages)
         return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
 

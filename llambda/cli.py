@@ -220,8 +220,10 @@ def cmd_bench(args):
         for t in threads:
             bench_serve.run(args.model, threads=t, parallel=args.parallel, streams=streams,
                             max_tokens=args.max_tokens, n_ctx=args.ctx or 512, repeats=args.repeats,
-                            llama_server=args.llama_server, as_json=args.json)
+                            llama_server=args.llama_server, as_json=args.json, constrained=args.constrained)
         return 0
+    if args.constrained != "none":
+        raise UserError("--constrained: measures llambda serve beside llama-server, so it needs --serve")
     if args.sweep:
         if args.busy_core is not None:
             raise UserError("--busy-core: measures the bench table, not --sweep")
@@ -348,6 +350,8 @@ def build_parser():
     bench.add_argument("--serve", action="store_true",
                        help="llambda serve beside llama.cpp's llama-server: aggregate tok/s and TTFT at 1..16 streams")
     bench.add_argument("--streams", default="1,4,8,16", metavar="N,...", help="with --serve: concurrent streams")
+    bench.add_argument("--constrained", default="none", choices=("none", "json_schema", "half"),
+                       help="with --serve: json_schema chat replies on every stream, or every other one")
     bench.add_argument("--parallel", type=_positive_int("--parallel"), metavar="N",
                        help="with --serve: slots of both servers (default: the largest --streams)")
     bench.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=128, metavar="N",

@@ -8,6 +8,12 @@ reports the aggregate generated tokens per second (all streams' tokens over the 
 from the first request to the last token) and time to first token p50/p95. Each level runs
 ``repeats`` times; the first request to each server is a warm-up and not counted.
 
+``constrained="json_schema"`` sends chat requests with ``response_format`` json_schema
+(SCHEMA: a record with a title, tags and a summary) to both servers instead: each stream ends
+when its JSON closes, so the rate counts the tokens each reply has (its usage); ``"half"``
+constrains every other stream and leaves the rest plain chat. llama-server compiles the same
+schema into its GBNF grammar, llambda into an llguidance matcher.
+
 The client is the standard library's http.client in threads: it reads the SSE lines as they
 come and stamps the first one that carries text. llama-server is optional: without one
 (``--llama-server PATH``, else ``llama-server`` on PATH, else the build of
@@ -133,15 +139,31 @@ def prompt_text(i, words=48):
     return f"Story {i}: " + " ".join(vocab[j] for j in rng.integers(0, len(vocab), words))
 
 
-def one_stream(port, model, prompt, max_tokens, out):
-    """POST one streamed completion; fill ``out`` with t_first, t_end, tokens."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "seed": 1, "stream": True, "stream_options": {"include_usage": True},
-                       "ignore_eos": True})
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "summary": {"type": "string"}}, "required": ["title", "tags", "summary"], "additionalProperties": False}
+CONSTRAINED = ("none", "json_schema", "half")
+
+
+def request_body(model, prompt, max_tokens, schema=None):
+    """(path, JSON body) of one streamed request: a plain completion, or with ``schema`` a chat
+    request whose reply must be JSON of that schema."""
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "seed": 1, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if schema is None:
+        return "/v1/completions", json.dumps(dict(common, prompt=prompt, ignore_eos=True))
+    messages = [{"role": "user", "content": f"Describe this story as JSON with a title, tags and a summary. {prompt}"}]
+    return "/v1/chat/completions", json.dumps(dict(common, messages=messages, response_format={
+        "type": "json_schema", "json_schema": {"name": "story", "schema": schema, "strict": True}}))
+
+
+def one_stream(port, model, prompt, max_tokens, out, schema=None):
+    """POST one streamed request; fill ``out`` with t_first, t_end, tokens."""
+    path, body = request_body(model, prompt, max_tokens, schema)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     t0 = time.perf_counter()
     try:
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             out["error"] = f"HTTP {r.status}: {r.read()[:200]!r}"
@@ -158,7 +180,7 @@ def one_stream(port, model, prompt, max_tokens, out):
             if obj.get("usage"):
                 usage = obj["usage"]
             for choice in obj.get("choices", ()):
-                if choice.get("text"):
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     chunks += 1
                     out.setdefault("t_first", time.perf_counter() - t0)
         out["t_end"] = time.perf_counter() - t0
@@ -169,10 +191,18 @@ def one_stream(port, model, prompt, max_tokens, out):
         conn.close()
 
 
-def run_level(port, model, streams, max_tokens, round_index):
+def stream_schema(constrained, i):
+    """The schema stream ``i`` is held to (None: unconstrained)."""
+    if constrained == "json_schema" or (constrained == "half" and i % 2 == 0):
+        return SCHEMA
+    return None
+
+
+def run_level(port, model, streams, max_tokens, round_index, constrained="none"):
     outs = [{} for _ in range(streams)]
     threads = [threading.Thread(target=one_stream, args=(port, model, prompt_text(round_index * 100 + i),
-                                                         max_tokens, outs[i])) for i in range(streams)]
+                                                         max_tokens, outs[i], stream_schema(constrained, i)))
+               for i in range(streams)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -185,27 +215,30 @@ def run_level(port, model, streams, max_tokens, round_index):
     return wall, outs
 
 
-def measure(server, model, streams_list, max_tokens, repeats):
-    one_stream(server.port, model, prompt_text(-1), 8, {})           # warm-up
+def measure(server, model, streams_list, max_tokens, repeats, constrained="none"):
+    one_stream(server.port, model, prompt_text(-1), 8, {}, stream_schema(constrained, 0))     # warm-up
     rows = []
     for streams in streams_list:
         rates, ttfts = [], []
         for r in range(repeats):
-            wall, outs = run_level(server.port, model, streams, max_tokens, r * 1000 + streams)
+            wall, outs = run_level(server.port, model, streams, max_tokens, r * 1000 + streams, constrained)
             rates.append(sum(o["tokens"] for o in outs) / wall)
             ttfts += [o["t_first"] for o in outs if "t_first" in o]
         rows.append(dict(engine=server.name, streams=streams, tok_s=statistics.median(rates),
                          tok_s_min=min(rates), tok_s_max=max(rates),
                          ttft_p50_s=float(np.percentile(ttfts, 50)), ttft_p95_s=float(np.percentile(ttfts, 95)),
-                         requests=len(ttfts)))
+                         requests=len(ttfts), constrained=constrained))
         print(f"[bench --serve] {server.name:12} {streams:2} streams: {rows[-1]['tok_s']:7.1f} tok/s, "
               f"TTFT p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
     return rows
 
 
-def markdown(rows, threads, parallel, max_tokens):
+def markdown(rows, threads, parallel, max_tokens, constrained="none"):
     from llambda.bench.engines import PAGE_CACHE_NOTE
-    out = [f"threads {threads}, {parallel} slots, {max_tokens} tokens per stream, greedy, distinct prompts. "
+    what = {"none": f"{max_tokens} tokens per stream",
+            "json_schema": f"every stream a json_schema chat reply of up to {max_tokens} tokens",
+            "half": f"every other stream a json_schema chat reply, up to {max_tokens} tokens"}[constrained]
+    out = [f"threads {threads}, {parallel} slots, {what}, greedy, distinct prompts. "
            + PAGE_CACHE_NOTE, "",
            "| engine | streams | aggregate tok/s | per stream tok/s | TTFT p50 | TTFT p95 |",
            "|---|---:|---:|---:|---:|---:|"]
@@ -217,7 +250,10 @@ def markdown(rows, threads, parallel, max_tokens):
 
 
 def run(model=None, *, threads=2, parallel=None, streams=STREAMS, max_tokens=128, n_ctx=512, repeats=2,
-        llama_server=None, engines=("llambda", "llama.cpp"), as_json=False):
+        llama_server=None, engines=("llambda", "llama.cpp"), as_json=False, constrained="none"):
+    if constrained not in CONSTRAINED:
+        from llambda.errors import UserError
+        raise UserError(f"--constrained: expected one of {', '.join(CONSTRAINED)}, got {constrained!r}")
     from llambda.model import catalog
     from llambda.model import default_model
     gguf = default_model.gguf_path() if model is None else Path(catalog.resolve(model))
@@ -239,12 +275,12 @@ def run(model=None, *, threads=2, parallel=None, streams=STREAMS, max_tokens=128
         server = start()
         try:
             model_name = "llambda" if server.name == "llama-server" else _served_id(server.port)
-            rows += measure(server, model_name, streams, max_tokens, repeats)
+            rows += measure(server, model_name, streams, max_tokens, repeats, constrained)
         finally:
             server.stop()
     report = dict(gguf=str(gguf), threads=threads, parallel=parallel, max_tokens=max_tokens, n_ctx=n_ctx,
-                  repeats=repeats, rows=rows)
-    print(json.dumps(report, indent=2) if as_json else markdown(rows, threads, parallel, max_tokens))
+                  repeats=repeats, constrained=constrained, rows=rows)
+    print(json.dumps(report, indent=2) if as_json else markdown(rows, threads, parallel, max_tokens, constrained))
     return report
 
 

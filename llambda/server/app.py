@@ -56,7 +56,20 @@ class Served:
             raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")
 
     # -- submitting -------------------------------------------------------------
-    def start(self, ids, req, logprobs, param):
+    async def constraint(self, req):
+        """The request's structured-output constraint (llambda.serving.constraints), or None;
+        built off the event loop (compiling a schema, or the first of a large vocabulary, takes
+        a while). A schema, grammar, regex or choice list it cannot build is a 400 naming its field."""
+        options = schemas.constraint_options(req)
+        if options is None:
+            return None
+        field, kinds = options
+        try:
+            return await run_in_threadpool(lambda: self.model.constraint(field=field, **kinds))
+        except UserError as e:
+            raise ApiError(400, str(e), param=field, code="invalid_constraint") from None
+
+    def start(self, ids, req, logprobs, param, constraint=None):
         """Submit the sequence; a Run to read its events from. Called on the event loop."""
         n_ctx = self.model.n_ctx
         if len(ids) >= n_ctx:
@@ -66,7 +79,7 @@ class Served:
         run = Run(asyncio.get_running_loop())
         try:
             run.completion = self.model.submit(ids, **schemas.sampling_options(req, n_ctx - len(ids)),
-                                               logprobs=logprobs, on_event=run.on_event)
+                                               logprobs=logprobs, on_event=run.on_event, constraint=constraint)
         except EngineBusy as e:
             raise ApiError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -154,6 +167,9 @@ def sse(obj):
 
 def failure(c):
     """The ApiError of a completion that neither stopped nor hit its length."""
+    from llambda.serving.constraints import ConstraintFailed
+    if isinstance(c.error, ConstraintFailed):     # the request's grammar, not the server
+        return ApiError(400, str(c.error), param=c.error.field, code="constraint_failed")
     if c.finish_reason == "error":
         return ApiError(500, f"the engine failed: {c.error}", type="server_error", code="engine_error")
     return ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
@@ -247,7 +263,7 @@ def create_app(model, model_id, aliases=(), served=None):
         except UserError as e:
             raise ApiError(400, str(e), param="messages") from None
         top = (req.top_logprobs or 0) if req.logprobs else None
-        run = served.start(ids, req, top, "messages")
+        run = served.start(ids, req, top, "messages", await served.constraint(req))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
         if req.stream:
@@ -276,7 +292,7 @@ def create_app(model, model_id, aliases=(), served=None):
         echo = ""
         if req.echo:
             echo = prompt if isinstance(prompt, str) else await run_in_threadpool(model.detokenize, ids)
-        run = served.start(ids, req, req.logprobs, "prompt")
+        run = served.start(ids, req, req.logprobs, "prompt", await served.constraint(req))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:

@@ -6,10 +6,16 @@ clients send fields a local server has no use for (``user``, ``metadata``, ...).
 the OpenAI API reference; ``top_k``, ``min_p``, ``repeat_penalty`` and ``ignore_eos`` are
 llama.cpp's extras. Options llambda cannot honour (n > 1, tools, logit_bias, ...) are refused
 by ``unsupported()`` instead of being dropped.
+
+Structured output (``constraint_options``): OpenAI's ``response_format`` (json_object,
+json_schema), llama.cpp's ``grammar`` (GBNF) and ``json_schema``, vLLM's ``regex`` / ``choice``
+and its ``guided_*`` and ``structured_outputs`` spellings, on both endpoints; at most one.
 """
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import ApiError
 
 # OpenAI takes any 64-bit seed; the sampler wants a non-negative one (see sampling_options).
 Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)]
@@ -22,6 +28,30 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+JsonSchema = Union[dict, bool]             # JSON Schema's true and false are schemas too
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (its newer spelling of the guided_* fields)."""
+    json_: Optional[Union[JsonSchema, str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
+class JsonSchemaFormat(_Body):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[JsonSchema] = Field(None, alias="schema")
+    strict: Optional[bool] = None            # the schema binds either way (as llama.cpp does)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+    schema_: Optional[JsonSchema] = Field(None, alias="schema")     # llama.cpp: json_object with a schema
 
 
 class _Sampling(_Body):
@@ -44,6 +74,17 @@ class _Sampling(_Body):
     min_p: Optional[Annotated[float, Field(ge=0.0, lt=1.0)]] = None
     repeat_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
     ignore_eos: bool = False
+    # structured output (constraint_options)
+    response_format: Optional[ResponseFormat] = None
+    grammar: Optional[str] = None
+    json_schema: Optional[JsonSchema] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    guided_json: Optional[Union[JsonSchema, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
 
 class TextPart(_Body):
@@ -74,7 +115,6 @@ class ChatRequest(_Sampling):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     tools: Optional[list[dict]] = None
-    response_format: Optional[ResponseFormat] = None
 
 
 class CompletionRequest(_Sampling):
@@ -95,8 +135,6 @@ def unsupported(req):
     if isinstance(req, ChatRequest):
         if req.tools:
             return "tools", "tools are not supported"
-        if req.response_format is not None and req.response_format.type != "text":
-            return "response_format", f"response_format {req.response_format.type!r} is not supported (only 'text')"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         for i, m in enumerate(req.messages):
@@ -115,6 +153,39 @@ def unsupported(req):
             if len(req.prompt) != 1:
                 return "prompt", "only one prompt per request is supported"
     return None
+
+
+def constraint_options(req):
+    """(field, {kind: value}) of the one constraint a request asks for, for Model.constraint
+    (field: the request field that names it, for errors), or None. A request asking for two
+    gets a 400 naming both."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_schema": rf.schema_} if rf.schema_ is not None
+                      else {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(400, "response_format of type 'json_schema' needs json_schema.schema",
+                           param="response_format.json_schema", code="missing_required_parameter")
+        found.append(("response_format.json_schema.schema", {"json_schema": rf.json_schema.schema_}))
+    so = req.structured_outputs
+    for field, kind, value in (
+            ("grammar", "grammar", req.grammar), ("json_schema", "json_schema", req.json_schema),
+            ("regex", "regex", req.regex), ("choice", "choice", req.choice),
+            ("guided_json", "json_schema", req.guided_json), ("guided_regex", "regex", req.guided_regex),
+            ("guided_choice", "choice", req.guided_choice), ("guided_grammar", "grammar", req.guided_grammar),
+            ("structured_outputs.json", "json_schema", so and so.json_),
+            ("structured_outputs.regex", "regex", so and so.regex),
+            ("structured_outputs.choice", "choice", so and so.choice),
+            ("structured_outputs.grammar", "grammar", so and so.grammar)):
+        if value is not None:
+            found.append((field, {kind: value}))
+    if len(found) > 1:
+        names = " and ".join(field for field, _ in found)
+        raise ApiError(400, f"give at most one structured-output constraint, not {names}",
+                       param=found[1][0], code="invalid_request")
+    return found[0] if found else None
 
 
 def message_dicts(req):

@@ -65,7 +65,8 @@ class Counters:
 class Completion:
     """A submitted sequence, as its caller sees it: iterate for events, cancel, read usage."""
 
-    def __init__(self, engine, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event):
+    def __init__(self, engine, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event,
+                 constraint=None):
         self._engine = engine
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0
@@ -88,6 +89,7 @@ class Completion:
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs
         self.stopper = StopStrings(stops)
+        self.constraint = constraint       # a constraints.Constraint, or None
         self.decoder = None
         self.table = None
         self.blocks = []
@@ -159,20 +161,24 @@ class Engine:
         self._running = []
         self._calls = collections.deque()
         self._closing = False
+        self._masks = None                 # constraints.MaskBatch, made for the first constrained step
         self._thread = threading.Thread(target=self._loop, name="llambda-engine", daemon=True)
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------
-    def submit(self, prompt, sampler, max_tokens, stops=(), ignore_eos=False, logprobs=None, on_event=None):
+    def submit(self, prompt, sampler, max_tokens, stops=(), ignore_eos=False, logprobs=None, on_event=None,
+               constraint=None):
         """Queue a sequence: ``prompt`` token ids (checked by the caller), a Sampler of its own.
         ``logprobs``: None, or how many alternatives each event lists (0: only the token's).
         ``on_event(completion, event)``: called on the engine thread instead of queueing events
-        (None marks the end); it must be quick."""
+        (None marks the end); it must be quick. ``constraint``: a constraints.Constraint of
+        this sequence's own, which every generated token then follows (finish_reason "stop",
+        stop_reason "grammar" when the grammar is complete)."""
         net = self.net
         if len(prompt) >= net.n_ctx:
             raise UserError(f"the prompt has {len(prompt)} tokens but the context holds {net.n_ctx} "
                             "with room for the reply (use a larger --ctx, or truncate)")
-        c = Completion(self, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event)
+        c = Completion(self, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event, constraint)
         if net.kv.blocks_for(self._reserve(c)) > net.kv.n_blocks - 1:
             raise UserError(f"the request needs {net.kv.blocks_for(self._reserve(c))} KV blocks; the pool "
                             f"holds {net.kv.n_blocks - 1}")
@@ -363,6 +369,7 @@ class Engine:
         for c, start, n in rows:
             c.computed = start + n
             net.kv.seal(c.blocks, c.keys, c.tokens, c.computed)
+        self._fill_masks(head)
         for i, c in enumerate(head):
             try:
                 self._sample(c, logits[i])
@@ -377,6 +384,8 @@ class Engine:
             return
         if logits.size > self.n_vocab:         # padding rows of the LM head: never drawn
             logits[self.n_vocab:] = -np.inf
+        if c.constraint is not None and not self._constrain(c, logits):
+            return                             # it ended, or its grammar forces the next tokens
         history = c.tokens
         token = c.sampler.sample(logits, history)
         if c.t_first is None:
@@ -384,20 +393,105 @@ class Engine:
         if token in self.tokenizer.eog_ids and not c.ignore_eos:
             self._end(c, "stop", "eos")
             return
+        event = Event(token, "")
+        if c.logprobs is not None:
+            event.logprob, event.top_logprobs = token_logprobs(logits, token, c.logprobs)
+        if self._append(c, token, event) and c.constraint is not None:
+            self._force(c)
+
+    def _append(self, c, token, event):
+        """Add a generated token to ``c`` and emit its event (its text filled in here); end ``c``
+        if it ends with this token. True while it goes on."""
         c.tokens.append(token)
         c.ids.append(token)
         c.completion_tokens += 1
         self.counters.generated_tokens += 1
-        event = Event(token, c.stopper.feed(c.decoder.feed(token)))
-        if c.logprobs is not None:
-            event.logprob, event.top_logprobs = token_logprobs(logits, token, c.logprobs)
+        event.text = c.stopper.feed(c.decoder.feed(token))
         c._emit(event)
         if c.stopper.hit:
             self._end(c, "stop", "stop_string")
+        elif c.constraint is not None and not self._consume(c, token):
+            pass                                      # its grammar is complete, or failed: ended
         elif c.completion_tokens >= c.max_tokens:
             self._end(c, "length", "max_tokens")
         elif len(c.tokens) > self._reserve(c):        # no room for the next token's position
             self._end(c, "length", "context_full")
+        else:
+            return True
+        return False
+
+    # -- constrained sequences (constraints.py) ---------------------------------
+    def _fill_masks(self, head):
+        """The allowed next tokens of every constrained sequence sampled in this step, computed
+        together; a grammar whose mask fails gets its ``failure`` (_constrain ends it)."""
+        constrained = [c.constraint for c in head if c.constraint is not None]
+        if not constrained:
+            return
+        if self._masks is None:
+            from llambda.serving.constraints import MaskBatch
+            self._masks = MaskBatch(self.net.max_seqs, self.n_vocab)
+        self._masks.fill(constrained)
+
+    def _constrain(self, c, logits):
+        """Before sampling ``c``: ban what its grammar refuses in ``logits`` (True: sample).
+        False when ``c`` ended (its grammar failed or is complete) or when the grammar forces
+        the next tokens, which are generated now and run in the next step."""
+        constraint = c.constraint
+        failure = constraint.failure
+        forced = ()
+        if failure is None:
+            try:
+                if constraint.stopped:
+                    self._end(c, "stop", "grammar")
+                    return False
+                forced = constraint.forced()
+                if not forced:
+                    self._masks.apply(constraint, logits)
+            except Exception as error:         # llguidance's, or ours: this sequence's end only
+                failure = constraint.failed(error)
+        if failure is not None:
+            self._end(c, "error", "error", failure)
+            return False
+        if forced:
+            self._force(c, forced)
+            return False
+        return True
+
+    def _consume(self, c, token):
+        """Advance ``c``'s grammar over a generated token; end ``c`` when the grammar is complete
+        or refuses it. True while ``c`` goes on."""
+        try:
+            c.constraint.consume(token)
+            complete = c.constraint.stopped
+        except Exception as error:                # ConstraintFailed, or llguidance's own
+            self._end(c, "error", "error", error if isinstance(error, UserError) else c.constraint.failed(error))
+            return False
+        if complete:
+            self._end(c, "stop", "grammar")
+        return not complete
+
+    def _force(self, c, tokens=None):
+        """Generate the tokens ``c``'s grammar forces now (default: ask it), without sampling:
+        each is a generated token like any other (text, stop strings, max_tokens, usage), and
+        the next step runs them as prompt rows of ``c``. Their logprob is 0: under the grammar
+        they are certain."""
+        if tokens is None:
+            try:
+                tokens = c.constraint.forced()
+            except Exception as error:
+                self._end(c, "error", "error", c.constraint.failed(error))
+                return
+        for token in tokens:
+            if c.t_first is None:
+                c.t_first = time.perf_counter()
+            if token in self.tokenizer.eog_ids and not c.ignore_eos:
+                self._end(c, "stop", "eos")
+                return
+            event = Event(token, "")
+            if c.logprobs is not None:
+                event.logprob, event.top_logprobs = 0.0, ([(token, 0.0)] if c.logprobs else [])
+            if not self._append(c, token, event):
+                return
 
     def _shut_down(self):
         error = UserError("the model was closed")
@@ -423,5 +517,6 @@ def token_logprobs(logits, token, top):
     if top:
         ids = np.argpartition(-logits, top - 1)[:top]
         ids = ids[np.argsort(-logits[ids], kind="stable")]
-        alternatives = [(int(i), float(logits[i]) - log_z) for i in ids]
+        # banned ids (-inf: a grammar's, the LM head's padding) are no alternative
+        alternatives = [(int(i), float(logits[i]) - log_z) for i in ids if logits[i] != -np.inf]
     return float(logits[token]) - log_z, alternatives

@@ -24,3 +24,29 @@ def test_missing_llama_server_binary_is_named(tmp_path):
     from llambda.errors import UserError
     with pytest.raises(UserError, match="no such file"):
         bench_serve.find_llama_server(tmp_path / "nope")
+
+
+def test_bench_serve_constrained_streams_are_json_of_the_schema(default_gguf, capsys):
+    # every other stream is held to the schema: the report names it, and each level counts its requests
+    report = bench_serve.run(str(default_gguf), threads=1, streams=(2,), max_tokens=6, n_ctx=512, repeats=1,
+                             engines=("llambda",), constrained="half")
+    assert report["constrained"] == "half"
+    assert [(r["streams"], r["requests"], r["constrained"]) for r in report["rows"]] == [(2, 2, "half")]
+    assert "every other stream a json_schema chat reply" in capsys.readouterr().out
+
+
+def test_bench_serve_request_bodies():
+    import json
+    path, body = bench_serve.request_body("m", "Story", 8, bench_serve.SCHEMA)
+    body = json.loads(body)
+    assert path == "/v1/chat/completions"
+    assert body["response_format"]["json_schema"]["schema"] == bench_serve.SCHEMA
+    path, body = bench_serve.request_body("m", "Story", 8)
+    assert path == "/v1/completions" and json.loads(body)["ignore_eos"] is True
+    assert [bench_serve.stream_schema("half", i) is None for i in range(4)] == [False, True, False, True]
+
+
+def test_bench_serve_refuses_an_unknown_constraint_mode():
+    from llambda.errors import UserError
+    with pytest.raises(UserError, match="--constrained"):
+        bench_serve.run(None, constrained="xml")

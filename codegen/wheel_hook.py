@@ -5,8 +5,8 @@ by its path, before anything is installed, so it imports nothing from llambda.
 
 * ``build_py`` copies the modules as usual, then builds the kernel library from the
   copied generators into ``llambda/runtime/kernels/`` (``libllambda.so``, its manifest
-  and the source key it was built from), and runtime/faults.py's SIGBUS handler bytes.
-  runtime/library.py uses the library when that key is
+  and the source key it was built from; runtime/faults.py's SIGBUS handler is one of its
+  functions, codegen/sigbus.py). runtime/library.py uses the library when that key is
   the key of the generators installed beside it. An editable install skips this: a
   checkout builds into its own build/kernels/ on first use.
 * ``bdist_wheel`` tags the wheel ``py3-none-<platform>``: Python modules plus one
@@ -73,30 +73,6 @@ tmp.cleanup()
 subprocess.run(["strip", "--discard-all", os.path.join(out, build.LIBRARY_NAME)], check=True)
 """
 
-# The SIGBUS handler's bytes (runtime/faults.py), generated from the copied module loaded by
-# its path (it imports only the standard library at the top), into the same directory under
-# the name faults.py looks for: an install without PeachPy then has the handler too. Without
-# PeachPy here, the bytes a checkout cached beside $LLAMBDA_WHEEL_KERNELS are the same ones.
-HANDLER_SCRIPT = """
-import importlib.util, os, sys
-faults_py, out = sys.argv[1], sys.argv[2]
-spec = importlib.util.spec_from_file_location("_llambda_faults", faults_py)
-faults = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(faults)
-name = faults.handler_name()
-try:
-    code = faults._emit()
-except ImportError:
-    source = os.environ.get("LLAMBDA_WHEEL_KERNELS")
-    code = source and faults._read_code(os.path.join(os.path.dirname(source), name))
-    if not code:
-        sys.exit("llambda wheel: generating the SIGBUS handler needs PeachPy, which " + sys.executable
-                 + " cannot import (python -m build --no-isolation with Debian's python3-peachpy)")
-with open(os.path.join(out, name), "wb") as f:
-    f.write(code)
-"""
-
-
 class build_py(_build_py):
     def run(self):
         super().run()
@@ -110,10 +86,6 @@ class build_py(_build_py):
         result = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, str(codegen), str(out)], env=env)
         if result.returncode != 0:
             raise SetupError(f"building the kernel library into {out} failed (exit status {result.returncode})")
-        faults = Path(self.build_lib, "llambda", "runtime", "faults.py")
-        result = subprocess.run([sys.executable, "-c", HANDLER_SCRIPT, str(faults), str(out)], env=env)
-        if result.returncode != 0:
-            raise SetupError(f"writing the SIGBUS handler into {out} failed (exit status {result.returncode})")
 
     def get_outputs(self, include_bytecode=True):
         out = Path(self.build_lib, *KERNELS)

@@ -12,21 +12,15 @@ message to stderr with write(2) and ends the process with exit_group(135), 128 +
 as if the signal had killed it. It calls no libc function and touches no Python state:
 everything it needs (the messages) is prepared when a file is mapped.
 
-The handler is x86-64 code generated with PeachPy (``_emit``), keyed by this module's
-source (``handler_name``). A wheel ships its bytes beside the packaged kernel library
-(codegen/wheel_hook.py writes them), so an install without PeachPy has the handler; a
-checkout builds them once into the user cache. Either way a load imports no PeachPy. Where
-neither the bytes nor PeachPy exist, or on another platform, ``guard`` does nothing and a
-SIGBUS ends the process as before.
-
-Table layout (u64 words), at a fixed address patched into the handler's code::
-
-    [0] count  [1] fallback message address  [2] its length  [3] unused
-    then CAPACITY entries of [start, end, message address, message length]
+The handler's code is built with the kernels into the kernel library
+(codegen/sigbus.py, which also fixes the table's layout), so a wheel ships it inside its
+library and nothing generates it at run time. It is copied out of the library into a page
+of its own, with the table's address patched in. The table is kept from the first
+``guard`` on; the handler is installed as soon as a library is there: at a ``guard`` when
+one is built or packaged, else when runtime/library.py loads the one it builds (``arm``).
+Without a library, or on another platform, a SIGBUS ends the process as before.
 """
 import ctypes
-import functools
-import hashlib
 import mmap
 import os
 import platform
@@ -36,16 +30,16 @@ import sys
 import threading
 import weakref
 
+from ..codegen import sigbus
+
 CAPACITY = 256                          # mapped ranges known at once
-_HEADER_WORDS = 4
-_ENTRY_WORDS = 4
-_PLACEHOLDER = 0x1122334455667788       # the table address, patched into the code
-EXIT_STATUS = 128 + int(signal.SIGBUS)
+EXIT_STATUS = sigbus.EXIT_STATUS
+assert EXIT_STATUS == 128 + int(signal.SIGBUS)
 _SA_SIGINFO = 4
 _SA_ONSTACK = 0x08000000
 
 _lock = threading.Lock()
-_state = None                           # _Installed, or False where no handler can be had
+_state = None                           # _Table, or False where no table can be kept
 _messages = {}                          # slot -> bytes kept alive while the range is mapped
 _pending = []                           # slots whose mappings died, to forget under the lock
 
@@ -54,7 +48,7 @@ def guard(mapping, path):
     """Name ``path`` in the message of a SIGBUS inside ``mapping`` (an mmap.mmap), for as
     long as the mapping lives. Best effort: never raises."""
     try:
-        state = _install()
+        state = _table()
         if not state or len(mapping) == 0:
             return
         import numpy as np
@@ -65,36 +59,65 @@ def guard(mapping, path):
         slot = state.add(start, start + len(mapping), message)
         if slot is not None:
             weakref.finalize(mapping, state.remove, slot)
+        arm()
     except Exception:       # noqa: BLE001 - a missing guard must never stop a load
         return
 
 
+def arm(kernels=None):
+    """Install the handler, once, from ``kernels`` (a loaded KernelLibrary) or else from the
+    library already built or packaged; True when it is installed. Never raises, never builds."""
+    try:
+        state = _table()
+        if not state:
+            return False
+        with _lock:
+            if state.handler is None:
+                code = _handler_code(kernels)
+                if code is None:
+                    return False
+                state.install(code)
+            return True
+    except Exception:       # noqa: BLE001 - no library, not Linux x86-64
+        return False
+
+
 def _install():
+    """The table, with the handler installed when a library has it (tests call this)."""
+    arm()
+    return _state
+
+
+def _table():
     global _state
     with _lock:
         if _state is None:
             try:
-                _state = _Installed(_handler_code())
-            except Exception:       # noqa: BLE001 - no PeachPy, no cache, not Linux x86-64
+                _state = _Table() if sys.platform == "linux" else False
+            except Exception:       # noqa: BLE001
                 _state = False
         return _state
 
 
-class _Installed:
-    def __init__(self, code):
-        if code is None:
-            raise OSError("no SIGBUS handler code")
-        words = _HEADER_WORDS + _ENTRY_WORDS * CAPACITY
+class _Table:
+    def __init__(self):
+        words = sigbus.HEADER_WORDS + sigbus.ENTRY_WORDS * CAPACITY
         self.table = (ctypes.c_uint64 * words)()
         self.free = list(range(CAPACITY))
         self.used = {}
+        self.handler = None             # the address of the installed handler's copy
         fallback = b"llambda: bus error (SIGBUS) outside llambda's mapped files: stopping\n"
         self.fallback = ctypes.create_string_buffer(fallback, len(fallback))
         self.table[1] = ctypes.addressof(self.fallback)
         self.table[2] = len(fallback)
-        code = code.replace(struct.pack("<Q", _PLACEHOLDER), struct.pack("<Q", ctypes.addressof(self.table)))
-        self.code_address = _executable(code)
-        _sigaction(signal.SIGBUS, self.code_address)
+
+    def install(self, code):
+        """Copy the handler's ``code`` with this table's address patched in, and install it."""
+        code = code.replace(struct.pack("<Q", sigbus.TABLE_PLACEHOLDER),
+                            struct.pack("<Q", ctypes.addressof(self.table)))
+        address = _executable(code)
+        _sigaction(signal.SIGBUS, address)
+        self.handler = address
 
     def add(self, start, end, message):
         with _lock:
@@ -139,107 +162,31 @@ class _Installed:
         table[0] = 0
         entries = list(self.used.values())
         for i, entry in enumerate(entries):
-            base = _HEADER_WORDS + _ENTRY_WORDS * i
-            table[base:base + _ENTRY_WORDS] = list(entry)
+            base = sigbus.HEADER_WORDS + sigbus.ENTRY_WORDS * i
+            table[base:base + sigbus.ENTRY_WORDS] = list(entry)
         table[0] = len(entries)
 
 
 # ---------------------------------------------------------------- the handler's code
 
-def _emit():
-    """The handler's machine code (PeachPy): void handler(int sig, siginfo_t *info, void *ctx)."""
-    from peachpy import Argument, int32_t, ptr
-    from peachpy.x86_64 import (ADD, CMP, JAE, JB, JMP, JZ, LABEL, LEA, MOV, RETURN, SUB, SYSCALL, TEST,
-                                Function, Label, abi, eax, edi, qword, r8, r9, rax, rcx, rdx, rsi)
-    sig = Argument(int32_t, name="sig")
-    info = Argument(ptr(), name="info")
-    context = Argument(ptr(), name="context")
-    with Function("llb_sigbus_handler", (sig, info, context)) as function:
-        scan, next_entry, not_ours, report = Label("scan"), Label("next"), Label("not_ours"), Label("report")
-        MOV(r8, _PLACEHOLDER)                   # the table
-        MOV(rax, qword[rsi + 16])               # info->si_addr
-        MOV(rcx, qword[r8])                     # how many entries
-        LEA(r9, [r8 + 8 * _HEADER_WORDS])       # the first
-        LABEL(scan)
-        TEST(rcx, rcx)
-        JZ(not_ours)
-        CMP(rax, qword[r9])                     # start <= addr < end
-        JB(next_entry)
-        CMP(rax, qword[r9 + 8])
-        JAE(next_entry)
-        MOV(rsi, qword[r9 + 16])
-        MOV(rdx, qword[r9 + 24])
-        JMP(report)
-        LABEL(next_entry)
-        ADD(r9, 8 * _ENTRY_WORDS)
-        SUB(rcx, 1)
-        JMP(scan)
-        LABEL(not_ours)
-        MOV(rsi, qword[r8 + 8])
-        MOV(rdx, qword[r8 + 16])
-        LABEL(report)
-        MOV(eax, 1)                             # write(2, message, length)
-        MOV(edi, 2)
-        SYSCALL()
-        MOV(eax, 231)                           # exit_group(128 + SIGBUS)
-        MOV(edi, EXIT_STATUS)
-        SYSCALL()
-        RETURN()
-    return bytes(function.finalize(abi.system_v_x86_64_abi).encode().code_section.content)
-
-
-@functools.lru_cache(maxsize=None)
-def handler_name():
-    """The file name of this module's handler bytes: keyed by its source, so bytes built from
-    another version of it are never taken."""
-    with open(__file__, "rb") as f:
-        key = hashlib.sha256(f.read()).hexdigest()[:16]
-    return f"sigbus-handler-{key}.bin"
-
-
-def _packaged_path():
-    # runtime/library.py's PACKAGED_DIR, without importing it (and numpy) here
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", handler_name())
-
-
-def _cache_path():
-    from .paths import cache_dir
-    return cache_dir() / "kernels" / handler_name()
-
-
-def _read_code(path):
-    try:
-        with open(path, "rb") as f:
-            code = f.read()
-    except OSError:
-        return None
-    return code if struct.pack("<Q", _PLACEHOLDER) in code else None
-
-
-def _handler_code():
-    """The handler's bytes: packaged with a wheel, else from the cache, else generated (and
-    cached); None when none of these."""
+def _handler_code(kernels=None):
+    """The handler's bytes, copied from the kernel library (``kernels``, a loaded
+    runtime.library.KernelLibrary, else the library already built or packaged, found
+    without building); None where there is none yet, or not on Linux x86-64."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    code = _read_code(_packaged_path())
-    if code is not None:
-        return code
-    path = _cache_path()
-    code = _read_code(path)
-    if code is not None:
-        return code
-    try:
-        code = _emit()
-    except ImportError:
+    if kernels is None:
+        from . import library
+        where = library.locate()
+        if where.origin == "unbuilt":
+            return None
+        kernels = library.KernelLibrary(where.directory)
+    entry = kernels.manifest.get(sigbus.SYMBOL)
+    if entry is None:
         return None
-    try:
-        from . import atomic
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic.create(path) as f:
-            f.write(code)
-    except OSError:
-        pass
-    return code
+    address = ctypes.cast(getattr(kernels.cdll, sigbus.SYMBOL), ctypes.c_void_p).value
+    code = ctypes.string_at(address, entry["code_bytes"])
+    return code if code.count(struct.pack("<Q", sigbus.TABLE_PLACEHOLDER)) == 1 else None
 
 
 # ---------------------------------------------------------------- libc

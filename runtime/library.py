@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from llambda.errors import UserError
 
-from . import cpu
+from . import cpu, faults
 from .paths import cache_dir
 
 _CTYPES = {
@@ -253,4 +253,6 @@ def load(isa="avx2"):
         raise KernelLibraryError(
             f"this CPU lacks {', '.join(missing)} needed by the {isa} kernels; "
             "use LLAMBDA_BACKEND=numpy for the (slow) numpy reference backend")
-    return KernelLibrary(ensure_built())
+    kernels = KernelLibrary(ensure_built())
+    faults.arm(kernels)         # the SIGBUS handler ships in the library: installed if not yet
+    return kernels

@@ -64,14 +64,31 @@ print("".join(model.generate(sys.argv[2], max_tokens=16, temperature=0)))
 case $text in *Paris*) ;; *) fail "llambda.load().generate: no Paris in: $text" ;; esac
 echo "check-wheel: import llambda: $prompt$text" | head -1
 
-# The SIGBUS guard (runtime/faults.py) runs on the handler bytes the wheel ships: without
-# PeachPy there is nothing else to install it from.
+# The SIGBUS guard (runtime/faults.py) runs on the handler the wheel's kernel library
+# holds: without PeachPy there is nothing else to install it from.
 quiet bare python -c '
-import os, sys
+import sys
 from llambda.runtime import faults
-if not os.path.exists(faults._packaged_path()) or not faults._install():
-    sys.exit("no SIGBUS handler packaged: " + faults._packaged_path())
+if not faults.arm():
+    sys.exit("no SIGBUS handler in the packaged kernel library")
 '
+# The issue 39 repro: the model truncated while `llambda run` generates from it ends the
+# process with one line naming the file (exit status 135), as soon as the first text arrived.
+cp "$tmp/model.llb" "$tmp/truncated.llb"
+quiet bare python -c '
+import os, subprocess, sys
+model = sys.argv[1]
+with subprocess.Popen(["llambda", "run", "--model", model, "--max-tokens", "100000", "--ignore-eos"],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    proc.stdout.read1(1)
+    os.truncate(model, 40000000)
+    _, err = proc.communicate(timeout=600)
+lines = err.decode().strip().splitlines()
+if proc.returncode != 135 or len(lines) != 1 or model not in lines[0]:
+    sys.exit(f"a model truncated under llambda run: exit status {proc.returncode}, stderr: {err.decode()!r}")
+' "$tmp/truncated.llb"
+echo "check-wheel: a model truncated under llambda run ends with one line naming it"
+
 if [ -e "$tmp/cache/kernels" ]; then fail "a kernel library or SIGBUS handler was built into the cache"; fi
 echo "$version" | sed "s|^|check-wheel: |"
 echo "check-wheel: $(basename "$wheel") works in a bare venv"

@@ -162,9 +162,14 @@ def cmd_chat(args):
 
 def cmd_serve(args):
     from llambda.server import serve
+    from llambda.server.auth import read_key_file
+    keys = args.api_key + (read_key_file(args.api_key_file) if args.api_key_file is not None else [])
+    origins = [o for o in (args.cors_origins or "").split(",") if o.strip()]
     return serve(args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.ctx,
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
-                 log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type)
+                 log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type,
+                 api_keys=keys, metrics_public=args.metrics_public, cors_origins=origins,
+                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
 
 
 def cmd_convert(args):
@@ -320,6 +325,16 @@ def build_parser():
                        help="on SIGTERM/SIGINT, let running requests finish for S seconds, then cancel them")
     serve.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                        help="uvicorn's log level (default warning)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route but "
+                            "/health and the chat page; repeatable")
+    serve.add_argument("--api-key-file", metavar="PATH",
+                       help="keys, one a line (blank lines and # comments skipped): keeps them out of the process list")
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    serve.add_argument("--cors-origins", metavar="ORIGIN[,ORIGIN...]",
+                       help="browser origins that may call the API, e.g. https://app.example (* for any; default none)")
+    serve.add_argument("--ssl-keyfile", metavar="PATH", help="TLS private key (PEM, with --ssl-certfile): serve https")
+    serve.add_argument("--ssl-certfile", metavar="PATH", help="TLS certificate chain (PEM, with --ssl-keyfile)")
     serve.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")

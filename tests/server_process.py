@@ -18,7 +18,10 @@ START_TIMEOUT_S = 120
 
 
 class ServerProcess:
-    def __init__(self, model, *options):
+    def __init__(self, model, *options, headers=None, ssl_context=None):
+        """``headers`` go with every request made here (an API key); ``ssl_context`` verifies an
+        https server's certificate."""
+        self.headers, self.ssl_context = dict(headers or {}), ssl_context
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llambda.cli", "serve", "--model", str(model), "--port", "0", *options],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -43,7 +46,7 @@ class ServerProcess:
                 break
             if line is None:
                 break
-            m = re.search(r"serving (\S+) at (http://\S+)/v1", line)
+            m = re.search(r"serving (\S+) at (https?://\S+)/v1", line)
             if m:
                 self.model_id = m.group(1)
                 return m.group(2)
@@ -68,9 +71,9 @@ class ServerProcess:
         elif isinstance(body, str):
             body = body.encode()
         req = urllib.request.Request(self.url + path, data=body, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+                                     headers={"Content-Type": "application/json", **self.headers, **(headers or {})})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context) as r:
                 return r.status, dict(r.headers), r.read()
         except urllib.error.HTTPError as e:
             return e.code, dict(e.headers), e.read()

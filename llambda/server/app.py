@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llambda.serving.engine import EngineBusy
 from llambda.errors import UserError
-from . import errors, schemas
+from . import auth, errors, schemas
 from .errors import ApiError
 from .metrics import Metrics
 
@@ -219,11 +219,12 @@ class EventStream(StreamingResponse):
             self._served.finished(self._run)
 
 
-def create_app(model, model_id, aliases=(), served=None):
+def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics_public=False, cors_origins=()):
     served = served or Served(model, model_id, aliases)
     app = FastAPI(title="llambda", summary="OpenAI-compatible API over a llambda model")
     app.state.served = served
     errors.install(app, on_error=served.metrics.error)
+    auth.install(app, api_keys, metrics_public, cors_origins, on_refused=served.metrics.error)   # keys, CORS
 
     @app.get("/health")
     async def health():

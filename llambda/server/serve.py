@@ -4,11 +4,20 @@ Shutdown: uvicorn stops accepting connections at the signal and waits for the op
 server refuses new requests at once (503), lets running requests go on for ``grace_s``, then
 cancels what is left (a stream ends with an error event, a plain request with a 503), so the
 process exits 0 within a few seconds of the signal whatever the clients asked for.
+
+Security (auth.py): API keys on every route but /health (and the chat page), CORS origins,
+TLS from a certificate and key handed to uvicorn; every flag is checked before the model loads.
+Listening beyond loopback without a key prints a warning.
 """
+import os
 import signal
 import socket
+import ssl
 import sys
 from pathlib import Path
+
+from llambda.errors import UserError
+from . import auth
 
 
 def model_names(model, model_arg):
@@ -33,16 +42,43 @@ def listen(host, port):
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
+def check_tls(keyfile, certfile):
+    """Both files or neither; a certificate and key that load together. Checked before the model
+    loads, so a typo costs a second, not a model load and a traceback from uvicorn."""
+    if keyfile is None and certfile is None:
+        return False
+    if keyfile is None or certfile is None:
+        given, missing = ("--ssl-certfile", "--ssl-keyfile") if keyfile is None else ("--ssl-keyfile", "--ssl-certfile")
+        raise UserError(f"{given} needs {missing} too (TLS takes both the certificate and its private key)")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if not Path(path).is_file():
+            raise UserError(f"{flag} {path}: no such file")
+        if not os.access(path, os.R_OK):
+            raise UserError(f"{flag} {path}: not readable by this user")
+    try:
+        # an encrypted key is not supported: the empty password makes it fail here instead of
+        # prompting on the terminal
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=b"")
+    except (ssl.SSLError, OSError) as e:
+        raise UserError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a PEM certificate and its "
+                        f"unencrypted private key ({getattr(e, 'reason', None) or e})") from None
+    return True
+
+
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
-          grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None):
+          grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None, api_keys=(), metrics_public=False,
+          cors_origins=(), ssl_keyfile=None, ssl_certfile=None):
     try:
         import uvicorn
         from .app import create_app
     except ImportError as e:
-        from llambda.errors import UserError
         raise UserError(f"llambda serve needs the serve extra ({e.name} is missing): "
                         "pip install 'llambda[serve]'") from None
     import llambda
+
+    # what the user gave, checked before the model loads
+    api_keys, cors_origins = auth.check_keys(api_keys), auth.check_origins(cors_origins)
+    tls = check_tls(ssl_keyfile, ssl_certfile)
 
     model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
                          kv_cache_mb=kv_cache_mb, kv_type=kv_type)
@@ -50,7 +86,8 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
         # every step shape's plan now, so that no request's first token waits for one
         model.engine.call(model.net.warm_plans)
         model_id, aliases = model_names(model, model_arg)
-        app = create_app(model, model_id, aliases)
+        app = create_app(model, model_id, aliases, api_keys=api_keys, metrics_public=metrics_public,
+                         cors_origins=cors_origins)
         served = app.state.served
         sock = listen(host, port)
 
@@ -60,11 +97,16 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
                 await super().shutdown(sockets=sockets)
 
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s + 5, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=grace_s + 5, timeout_keep_alive=5,
+                                ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
         server = Server(config)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"llambda: serving {model_id} at http://{shown}:{bound_port}/v1 (parallel {parallel}, "
+        if not api_keys and not auth.is_loopback(bound_host):
+            print(f"llambda: warning: listening on {shown}, beyond this machine, without an API key: anyone who "
+                  "reaches the port may use the model (--api-key or --api-key-file)", file=sys.stderr, flush=True)
+        scheme = "https" if tls else "http"
+        print(f"llambda: serving {model_id} at {scheme}://{shown}:{bound_port}/v1 (parallel {parallel}, "
               f"context {model.n_ctx}, {max_waiting} may wait); Ctrl-C stops", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal it caught once it has shut down, to end the process the
         # default way (killed by SIGTERM, KeyboardInterrupt for SIGINT): we end it with exit 0

@@ -11,7 +11,8 @@ ARGS   ?=
 # The wheel: its name comes from the version's one place, llambda/__init__.py.
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' llambda/__init__.py)
 WHEEL   := dist/llambda-$(VERSION)-py3-none-linux_$(shell uname -m).whl
-SOURCES := pyproject.toml README.md $(wildcard llambda/*.py llambda/*/*.py runtime/*.py runtime/*/*.py codegen/*.py codegen/*/*.py)
+SOURCES := pyproject.toml README.md $(wildcard llambda/*.py llambda/*/*.py runtime/*.py runtime/*/*.py codegen/*.py codegen/*/*.py) \
+           $(wildcard llambda/server/static/*)
 
 .PHONY: setup kernels bytecode run test wheel wheel-check bench kernel-bench clean
 

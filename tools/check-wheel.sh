@@ -48,6 +48,16 @@ quiet() {
     "$@" 2>"$tmp/stderr" || { cat "$tmp/stderr" >&2; fail "failed: $*"; }
 }
 
+# The chat page `llambda serve` answers GET / with: plain files inside the package.
+quiet bare python -c '
+import sys
+from importlib.resources import files
+static = files("llambda") / "server" / "static"
+missing = [name for name in ("index.html", "chat.js", "chat.css") if not (static / name).is_file()]
+if missing:
+    sys.exit("the chat page is not packaged: llambda/server/static/ lacks " + ", ".join(missing))
+'
+
 quiet bare llambda fetch >/dev/null
 text=$(quiet bare llambda run --prompt "$prompt" --temperature 0 --max-tokens 16)
 case $text in *Paris*) ;; *) fail "llambda run: no Paris in: $text" ;; esac

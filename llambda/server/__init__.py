@@ -5,6 +5,7 @@
     errors.py   OpenAI-shaped error bodies for every 4xx/5xx
     metrics.py  the Prometheus view of the engine
     serve.py    model + uvicorn + graceful shutdown
+    static/     the chat page at / (index.html, chat.js, chat.css: no build step, no CDN)
 """
 from .serve import serve
 

@@ -4,7 +4,8 @@
 
 Routes: GET /health, /metrics, /v1/models[/{id}]; POST /v1/completions, /v1/chat/completions,
 plain or streamed (Server-Sent Events, ``data: [DONE]`` last, a usage chunk before it when
-``stream_options.include_usage``).
+``stream_options.include_usage``). GET / is the chat page, static/index.html with its
+files under /static.
 
 Every request becomes one engine sequence (Model.submit). The engine thread hands each token
 to the request's asyncio queue (``call_soon_threadsafe``: it never waits on the event loop);
@@ -17,10 +18,12 @@ import asyncio
 import json
 import time
 import uuid
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
 from llambda.serving.engine import EngineBusy
 from llambda.errors import UserError
@@ -29,6 +32,7 @@ from .errors import ApiError
 from .metrics import Metrics
 
 RETRY_AFTER_S = 1
+STATIC_DIR = Path(__file__).parent / "static"      # the chat page at / (docs/server.md)
 
 
 class Served:
@@ -225,6 +229,12 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
     app.state.served = served
     errors.install(app, on_error=served.metrics.error)
     auth.install(app, api_keys, metrics_public, cors_origins, on_refused=served.metrics.error)   # keys, CORS
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(STATIC_DIR / "index.html")
 
     @app.get("/health")
     async def health():

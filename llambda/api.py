@@ -18,7 +18,7 @@ from llambda.model import integrity
 from llambda.model import limits
 from llambda.serving.engine import Engine
 from llambda.serving.kv_pool import KVPool, check_kv_type
-from llambda.errors import UserError
+from llambda.errors import OptionError, UserError
 
 DEFAULT_CTX = 2048
 
@@ -213,27 +213,37 @@ class Model:
     # -- generation -------------------------------------------------------------
     def generate(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                  repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-                 truncate=False, stats=None, add_special=True, ignore_eos=False, **constraint):
+                 truncate=False, stats=None, add_special=True, ignore_eos=False, logit_bias=None,
+                 stop_token_ids=(), min_tokens=0, **constraint):
         """Yield the text of the continuation of ``prompt`` (a string or a list of token ids).
         Safe from any thread; closing the generator early cancels the sequence.
+        ``logit_bias``, ``stop_token_ids``, ``min_tokens``: see submit.
         ``constraint``: at most one of json_schema=, json_object=True, grammar= (GBNF), regex=,
         choice=, lark= (see submit)."""
         completion = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  seed=seed, stop=stop, truncate=truncate, add_special=add_special,
-                                 ignore_eos=ignore_eos, **constraint)
+                                 ignore_eos=ignore_eos, logit_bias=logit_bias, stop_token_ids=stop_token_ids,
+                                 min_tokens=min_tokens, **constraint)
         return generation.stream(completion, stats)
 
     def submit(self, prompt, *, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
                truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None,
                json_schema=None, json_object=False, grammar=None, regex=None, choice=None, lark=None,
-               constraint=None):
+               constraint=None, logit_bias=None, stop_token_ids=(), min_tokens=0):
         """Queue a generation and return its llambda.serving.engine.Completion at once: iterate it for
         Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
         ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
         many alternatives each event lists. Raises EngineBusy when too many are waiting.
+
+        ``logit_bias``: OpenAI's {token id: bias in [-100, 100]} (ids, or their decimal text),
+        added to those logits before sampling: -100 bans a token, +100 all but forces it.
+        ``stop_token_ids``: ids that end the reply as EOS does (finish_reason "stop", the id not
+        emitted). ``min_tokens``: EOS and stop_token_ids are never drawn before that many tokens
+        are generated (stop strings still apply). A bad value raises llambda.errors.OptionError
+        naming the argument.
 
         Structured output (at most one): ``json_schema`` (a dict or its JSON text: the reply is
         JSON valid under it), ``json_object=True`` (any JSON object), ``grammar`` (a llama.cpp
@@ -245,15 +255,25 @@ class Model:
         ``constraint``: instead, one made by ``Model.constraint`` (not shared with another
         sequence)."""
         prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
-        from llambda.serving.sampling import Sampler
+        from llambda.serving.sampling import Sampler, check_logit_bias
+        try:
+            check_logit_bias(logit_bias, self.n_vocab)
+        except ValueError as error:
+            raise OptionError(str(error), "logit_bias") from None
         try:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, seed=seed)
+                              frequency_penalty=frequency_penalty, seed=seed, logit_bias=logit_bias,
+                              n_vocab=self.n_vocab)
         except ValueError as error:
             raise UserError(str(error)) from None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise UserError(f"max_tokens: expected an integer >= 0, got {max_tokens!r}")
+        stop_token_ids = self._check_stop_token_ids(stop_token_ids)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise OptionError(f"min_tokens: expected an integer >= 0, got {min_tokens!r}", "min_tokens")
+        if min_tokens > max_tokens:
+            raise OptionError(f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})", "min_tokens")
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if truncate and len(ids) > self.n_ctx - 1:
             ids = ids[-(self.n_ctx - 1):]
@@ -264,7 +284,20 @@ class Model:
             raise UserError("give a constraint keyword (json_schema=, ...) or constraint=, not both")
         constraint = constraint or kinds
         return self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, on_event=on_event, constraint=constraint)
+                                  logprobs=logprobs, on_event=on_event, constraint=constraint,
+                                  stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+
+    def _check_stop_token_ids(self, ids):
+        """submit's stop_token_ids as a list of ids the model may produce."""
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise OptionError(f"stop_token_ids: expected a list of token ids, got {type(ids).__name__}",
+                              "stop_token_ids")
+        ids = list(ids)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.n_vocab:
+                raise OptionError(f"stop_token_ids: {i!r} is not a token id of this model (0..{self.n_vocab - 1})",
+                                  "stop_token_ids")
+        return [int(i) for i in ids]
 
     def constraint(self, *, field=None, **kinds):
         """A llambda.serving.constraints.Constraint of this model's vocabulary for the one
@@ -305,6 +338,49 @@ class Model:
         are generate()'s, json_schema= and the other constraints too."""
         text = self.render_chat(messages)
         return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
+
+    # -- embeddings (llambda/serving/embedding.py) --------------------------------
+    _pooling = None                   # set by the pooling property; None: not read from the file yet
+
+    @property
+    def pooling(self):
+        """How embed() pools a text's rows unless told: "mean", "cls" or "last". Assign it to
+        override the file (``llambda serve --pooling``); by default the GGUF's
+        ``<arch>.pooling_type``, else mean (llama.cpp's default there gives no vector per text)."""
+        if self._pooling is None:
+            from llambda.serving import embedding
+            self._pooling = embedding.file_pooling(self.path, self.config.arch) or embedding.DEFAULT_POOLING
+        return self._pooling
+
+    @pooling.setter
+    def pooling(self, value):
+        from llambda.serving import embedding
+        self._pooling = embedding.check_pooling(value)
+
+    def embed(self, texts, pooling=None, normalize=True):
+        """The embeddings of ``texts``, float32 [n, dim]: a string, a list of strings, a list of
+        token ids, or a list of such lists. A text's vector is its tokens' final-norm output
+        (what llama.cpp's embeddings are), pooled: ``pooling`` "mean", "cls" (first token) or
+        "last" (default: the ``pooling`` property); ``normalize``: scaled to unit L2 norm.
+
+        The texts run as sequences of the engine, beside whatever else it runs (up to
+        ``parallel`` at once), and a text's vector is the same bit for bit alone or beside others."""
+        from llambda.serving import embedding
+        pooling = self.pooling if pooling is None else embedding.check_pooling(pooling)
+        batch = embedding.token_lists(self, texts, "texts")
+        window = max(1, min(2 * self.parallel, self.engine.max_waiting))     # every slot busy, one behind each
+        pending, vectors = [], []
+        try:
+            for ids in batch:
+                pending.append(self.engine.submit_embedding(ids, pooling))
+                if len(pending) >= window:
+                    vectors.append(pending.pop(0).result())
+            vectors.extend(e.result() for e in pending)
+        finally:
+            for e in pending:
+                e.cancel()
+        vectors = np.stack(vectors)
+        return embedding.normalized(vectors) if normalize else vectors
 
     # -- profiling --------------------------------------------------------------
     def profile(self, tokens=32, prefill=None, prompt=None):

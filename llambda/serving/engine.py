@@ -65,8 +65,14 @@ class Counters:
 class Completion:
     """A submitted sequence, as its caller sees it: iterate for events, cancel, read usage."""
 
+    # serving/embedding.py's Embedding sets these: a sequence run for its rows' final-norm
+    # output (``pooled``: prompt rows only, no LM head, never sampled), which computes every
+    # row unless ``reads_cache`` lets its prompt start from the prefix cache
+    pooled = False
+    reads_cache = True
+
     def __init__(self, engine, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event,
-                 constraint=None):
+                 constraint=None, stop_token_ids=(), min_tokens=0):
         self._engine = engine
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0
@@ -90,6 +96,12 @@ class Completion:
         self.logprobs = logprobs
         self.stopper = StopStrings(stops)
         self.constraint = constraint       # a constraints.Constraint, or None
+        self.stop_token_ids = frozenset(stop_token_ids)     # end it like EOS (finish "stop")
+        self.min_tokens = min_tokens       # until this many are generated, no id that ends it is drawn
+        # the ids that end it, banned while fewer than min_tokens are generated (Engine._hold_back_end)
+        self.end_ids = None if not min_tokens else np.array(
+            [i for i in sorted(self.stop_token_ids | (set() if ignore_eos else engine.tokenizer.eog_ids))
+             if i < engine.n_vocab], dtype=np.int64)
         self.decoder = None
         self.table = None
         self.blocks = []
@@ -167,21 +179,43 @@ class Engine:
 
     # -- any thread -------------------------------------------------------------
     def submit(self, prompt, sampler, max_tokens, stops=(), ignore_eos=False, logprobs=None, on_event=None,
-               constraint=None):
+               constraint=None, stop_token_ids=(), min_tokens=0):
         """Queue a sequence: ``prompt`` token ids (checked by the caller), a Sampler of its own.
         ``logprobs``: None, or how many alternatives each event lists (0: only the token's).
         ``on_event(completion, event)``: called on the engine thread instead of queueing events
         (None marks the end); it must be quick. ``constraint``: a constraints.Constraint of
         this sequence's own, which every generated token then follows (finish_reason "stop",
-        stop_reason "grammar" when the grammar is complete)."""
+        stop_reason "grammar" when the grammar is complete). ``stop_token_ids``: ids that end it
+        as EOS does (finish_reason "stop", stop_reason "stop_token"; the id is not emitted);
+        ``min_tokens``: EOS and those ids are never drawn before it has generated that many
+        (both checked by the caller)."""
         net = self.net
         if len(prompt) >= net.n_ctx:
             raise UserError(f"the prompt has {len(prompt)} tokens but the context holds {net.n_ctx} "
                             "with room for the reply (use a larger --ctx, or truncate)")
-        c = Completion(self, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event, constraint)
+        c = Completion(self, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event, constraint,
+                       stop_token_ids=stop_token_ids, min_tokens=min_tokens)
         if net.kv.blocks_for(self._reserve(c)) > net.kv.n_blocks - 1:
             raise UserError(f"the request needs {net.kv.blocks_for(self._reserve(c))} KV blocks; the pool "
                             f"holds {net.kv.n_blocks - 1}")
+        return self._enqueue(c)
+
+    def submit_embedding(self, prompt, pooling):
+        """Queue a sequence whose rows' final-norm output is pooled (serving/embedding.py) instead
+        of sampled: ``prompt`` token ids (checked by the caller; as many as the context holds),
+        ``pooling`` "mean", "cls" or "last". Returns its Embedding (``.result()`` waits)."""
+        from llambda.serving.embedding import Embedding
+        net = self.net
+        if len(prompt) > net.n_ctx:
+            raise UserError(f"the text has {len(prompt)} tokens but the context holds {net.n_ctx} "
+                            "(use a larger --ctx, or shorten it)")
+        c = Embedding(self, prompt, pooling, net.config.dim)
+        if net.kv.blocks_for(self._reserve(c)) > net.kv.n_blocks - 1:
+            raise UserError(f"the text needs {net.kv.blocks_for(self._reserve(c))} KV blocks; the pool "
+                            f"holds {net.kv.n_blocks - 1}")
+        return self._enqueue(c)
+
+    def _enqueue(self, c):
         with self._lock:
             if self._closing:
                 raise UserError("the model is closed")
@@ -302,7 +336,7 @@ class Engine:
                     continue
                 if len(self._running) >= self.net.max_seqs:
                     return
-                opened = kv.open(c.tokens, self._reserve(c))
+                opened = kv.open(c.tokens if c.reads_cache else [], self._reserve(c))
                 if opened is None and self._running:
                     return             # not enough free blocks now: it waits for a sequence to end
                 if opened is None:     # nothing will end and free blocks (evaluate()'s sequence holds them)
@@ -349,18 +383,22 @@ class Engine:
                 budget -= n
         r = 0
         head = []                          # (sequence, head row) of rows whose logits are sampled
+        pooled = []                        # (embedding, its first row, start, n): final-norm rows kept
         for c, start, n in rows:
             net.token_ids[r:r + n] = c.tokens[start:start + n]
             net.positions[r:r + n] = range(start, start + n)
             net.row_seq[r:r + n] = c.table
-            if start + n == len(c.tokens):
+            if c.pooled:
+                pooled.append((c, r, start, n))
+            elif start + n == len(c.tokens):
                 head.append(c)
                 net.head_rows[len(head) - 1] = r + n - 1
             r += n
         if not head:
             net.head_rows[0] = 0
         try:
-            logits = net.step(r, max(len(head), 1))
+            # a step of embeddings alone runs no LM head (0 head rows)
+            logits = net.step(r, len(head) if pooled else max(len(head), 1), hidden=bool(pooled))
         except Exception as error:
             for c, _, _ in rows:
                 self._end(c, "error", "error", error)
@@ -369,6 +407,10 @@ class Engine:
         for c, start, n in rows:
             c.computed = start + n
             net.kv.seal(c.blocks, c.keys, c.tokens, c.computed)
+        for c, at, start, n in pooled:
+            c.keep(net.hidden[at:at + n], start)
+            if c.computed == len(c.tokens):
+                self._end(c, "stop", "pooled")
         self._fill_masks(head)
         for i, c in enumerate(head):
             try:
@@ -386,18 +428,39 @@ class Engine:
             logits[self.n_vocab:] = -np.inf
         if c.constraint is not None and not self._constrain(c, logits):
             return                             # it ended, or its grammar forces the next tokens
+        if c.completion_tokens < c.min_tokens:
+            self._hold_back_end(c, logits)
         history = c.tokens
         token = c.sampler.sample(logits, history)
         if c.t_first is None:
             c.t_first = time.perf_counter()
-        if token in self.tokenizer.eog_ids and not c.ignore_eos:
-            self._end(c, "stop", "eos")
+        if self._ends(c, token):
             return
         event = Event(token, "")
         if c.logprobs is not None:
             event.logprob, event.top_logprobs = token_logprobs(logits, token, c.logprobs)
         if self._append(c, token, event) and c.constraint is not None:
             self._force(c)
+
+    def _hold_back_end(self, c, logits):
+        """min_tokens: ban the ids that would end ``c`` (EOS unless ignore_eos, its stop_token_ids)
+        in its own row, before sampling. A grammar that allows nothing else wins: ``c`` may end."""
+        ids = c.end_ids
+        kept = logits[ids] if c.constraint is not None else None
+        logits[ids] = -np.inf
+        if kept is not None and not np.max(logits) > -np.inf:
+            logits[ids] = kept
+
+    def _ends(self, c, token):
+        """End ``c`` if ``token`` is an end-of-generation id (unless ignore_eos) or one of its
+        stop_token_ids: such a token is not emitted. True when it ended."""
+        if token in c.stop_token_ids:
+            self._end(c, "stop", "stop_token")
+        elif token in self.tokenizer.eog_ids and not c.ignore_eos:
+            self._end(c, "stop", "eos")
+        else:
+            return False
+        return True
 
     def _append(self, c, token, event):
         """Add a generated token to ``c`` and emit its event (its text filled in here); end ``c``
@@ -484,8 +547,7 @@ class Engine:
         for token in tokens:
             if c.t_first is None:
                 c.t_first = time.perf_counter()
-            if token in self.tokenizer.eog_ids and not c.ignore_eos:
-                self._end(c, "stop", "eos")
+            if self._ends(c, token):
                 return
             event = Event(token, "")
             if c.logprobs is not None:

@@ -22,6 +22,7 @@ a few parts in 10^8 of it, far finer than any top_p anyone sets. Min-p compares 
 import bisect
 import itertools
 import math
+from collections.abc import Mapping
 from numbers import Integral, Real
 
 import numpy as np
@@ -45,6 +46,38 @@ def _check_count(name, value):
     return int(value)
 
 
+# OpenAI's bounds of a logit_bias value: -100 bans a token in practice, +100 forces it
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def check_logit_bias(bias, n_vocab=None):
+    """OpenAI's ``logit_bias`` {token id: bias} as (ids, biases): int64 ids in ascending order
+    and their float32 biases, each in [-100, 100]; None for None or {}. A key is an id or its
+    decimal text (JSON's object keys are strings). ``n_vocab``: ids from here on are refused.
+    Raises ValueError naming logit_bias."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias: expected an object {{token id: bias}}, got {type(bias).__name__}")
+    pairs = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        elif isinstance(key, Integral) and not isinstance(key, bool) and key >= 0:
+            token = int(key)
+        else:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (an integer >= 0)")
+        if n_vocab is not None and token >= n_vocab:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})")
+        if token in pairs:
+            raise ValueError(f"logit_bias: token id {token} is given twice")
+        pairs[token] = _check_real(f"logit_bias[{key!r}]", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, True, True)
+    if not pairs:
+        return None
+    ids = np.array(sorted(pairs), dtype=np.int64)
+    return ids, np.array([pairs[i] for i in ids.tolist()], dtype=np.float32)
+
+
 class Sampler:
     """Draws token ids from logits; one instance per generation (it owns the random state).
 
@@ -60,10 +93,14 @@ class Sampler:
         frequency_penalty times the number of times it occurs (0 leaves them alone;
         negative values favour repeats).
     seed: the same seed gives the same draws; None draws a fresh seed.
+    logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to those logits before
+        everything else (check_logit_bias; ``n_vocab`` bounds its ids): one sparse add of
+        len(logit_bias) values per draw, in place.
     """
 
     def __init__(self, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-                 repeat_last_n=64, seed=None, presence_penalty=0.0, frequency_penalty=0.0):
+                 repeat_last_n=64, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+                 logit_bias=None, n_vocab=None):
         self.temperature = _check_real("temperature", temperature, 0.0, math.inf, True, False)
         self.top_k = _check_count("top_k", top_k)
         self.top_p = _check_real("top_p", top_p, 0.0, 1.0, False, True)
@@ -76,10 +113,14 @@ class Sampler:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)
                                  or seed < 0):
             raise ValueError(f"seed: expected None or an integer >= 0, got {seed!r}")
+        self._bias = check_logit_bias(logit_bias, n_vocab)      # (ids, biases) or None
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits, history=()):
-        """The next token id, given the logits over the vocabulary and the ids so far."""
+        """The next token id, given the logits over the vocabulary and the ids so far. With a
+        logit_bias, float32 ``logits`` get it added in place (the engine's row is its own, and
+        its logprobs then describe the biased distribution); pass a copy to keep them."""
+        logits = self._biased(logits)
         if self.temperature == 0.0:
             return self._greedy(logits, history)
         if not self._filters_anything(np.size(logits)):
@@ -94,7 +135,7 @@ class Sampler:
             cumulative = list(itertools.accumulate(probabilities))
             u = self._rng.random() * cumulative[-1]
             return ids[min(bisect.bisect_right(cumulative, u), len(ids) - 1)]
-        ids, probabilities = self.distribution(logits, history)
+        ids, probabilities = self._distribution(logits, history)
         if ids.size == 1:
             return int(ids[0])
         cumulative = np.cumsum(probabilities)
@@ -124,9 +165,25 @@ class Sampler:
             return int(np.argmax(logits))
         return _draw(_weights(logits, peak, scale), self._rng.random())
 
+    def _biased(self, logits):
+        """``logits`` with the logit_bias added in place (as float32), or as given without one."""
+        if self._bias is None:
+            return logits
+        logits = _as_logits(logits)
+        ids, biases = self._bias
+        if ids[-1] >= logits.size:
+            raise ValueError(f"logit_bias: token id {int(ids[-1])} is outside the vocabulary "
+                             f"(0..{logits.size - 1})")
+        logits[ids] += biases               # -inf (a banned token) stays -inf
+        return logits
+
     def distribution(self, logits, history=()):
         """(ids, probabilities) that `sample` draws from: what every filter kept,
-        reweighted by the temperature. Without filters the ids are the whole vocabulary."""
+        reweighted by the temperature. Without filters the ids are the whole vocabulary.
+        A logit_bias is added to ``logits`` in place, as `sample` does."""
+        return self._distribution(self._biased(logits), history)
+
+    def _distribution(self, logits, history):
         logits, peak = _checked(logits)
         if self._penalizes(history):
             logits = self._penalize_repeats(logits, history)

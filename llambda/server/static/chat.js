@@ -115,9 +115,10 @@ async function send(text) {
   let t0 = null, tFirst = null, chunks = 0, usage = null, drawPending = false;
   const draw = () => {
     drawPending = false;
+    const follow = atEnd();             // a reader who scrolled up to read stays where they are
     fillBody(view.querySelector(".body"), reply.content);
     saveChat();
-    scrollToEnd();
+    if (follow) scrollToEnd();
   };
   try {
     if (!modelId) await findModel();
@@ -192,6 +193,10 @@ function setRunning(on) {
   $("stop").disabled = !on;
 }
 
+function atEnd() {
+  return window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
+}
+
 function scrollToEnd() {
   window.scrollTo(0, document.body.scrollHeight);
 }
@@ -217,8 +222,13 @@ function fillBody(body, text) {
       blocks.push({code: false, lines: [line]});
     }
   }
-  const views = blocks.map((b) => b.code ? codeBlock(b.lines.join("\n")) : textBlock(b.lines.join("\n").trim()));
-  body.replaceChildren(...views.filter((v) => v.textContent !== ""));
+  const views = [];
+  for (const b of blocks) {
+    const text = b.lines.join("\n");
+    if (b.code) views.push(codeBlock(text));
+    else if (text.trim()) views.push(textBlock(text.trim()));
+  }
+  body.replaceChildren(...views);
 }
 
 function textBlock(text) {

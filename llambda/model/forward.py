@@ -75,6 +75,9 @@ def bucket(n, limit):
 
 # The tag the LM head's ops carry in a recorded plan (the profiler's "(LM head)" rows).
 HEAD_TAG = "lm_head"
+# The plan variant of a step that also leaves every row's final-norm output in ``hidden``
+# (embeddings: llambda/serving/embedding.py), with h head rows beside it (0: no LM head at all).
+HIDDEN = "hidden"
 
 
 class TransformerModel:
@@ -166,15 +169,20 @@ class TransformerModel:
         self._storing = []
 
     # -- running --------------------------------------------------------------
-    def step(self, m, h):
+    def step(self, m, h, hidden=False):
         """Run the step the buffers describe and return the logits of its head rows, [h, vocab].
 
         Rows 0..m-1: token_ids (in [0, vocab)), positions, row_seq (a kv.tables row whose
         blocks hold every position up to the row's); head_rows[:h] (each < m) pick the rows whose
         logits are wanted. A row attends to its sequence's keys up to its own position, which
         every row of the step stores first. The shape is padded to a bucket (padding rows write
-        only the trash block), so plans exist for few shapes."""
-        mb, hb = bucket(m, self.max_batch), bucket(h, self.max_heads)
+        only the trash block), so plans exist for few shapes.
+        ``hidden``: also leave every row's final-norm output (what llama.cpp's embeddings are
+        made of) in ``self.hidden[:m]``, until the next step; h may then be 0, and the step
+        runs no LM head at all."""
+        if h == 0 and not hidden:
+            raise ValueError("step: a step without hidden states needs at least one head row")
+        mb, hb = bucket(m, self.max_batch), (bucket(h, self.max_heads) if h else 0)
         if mb > m:                  # (a decode step's numpy calls are few: they run with cold caches)
             self.token_ids[m:mb] = 0
             self.positions[m:mb] = 0
@@ -186,16 +194,25 @@ class TransformerModel:
         if self.backend.runs_plans:
             self.start_pool()
             keys = (int(self.positions[0]) if m == 1 else int(self.positions[:m].max())) + 1
-            plan = self._plan(mb, hb, self._whole_heads(mb, keys))
+            plan = self._plan(mb, hb, self._whole_heads(mb, keys), hidden)
             self.thread_choice.run(self.pool, plan.plan, compute_bound=mb >= COMPUTE_BOUND_ROWS)
-            if mb > 1 and self._whole_heads(1, keys + 1):
+            if mb > 1 and h and self._whole_heads(1, keys + 1):
                 # a prompt this long decodes on that variant next: make it now, in the prompt's
                 # time, rather than in its first token's
                 self._plan(1, 1, True)
         else:
             self._blocks(self.backend, self.linear, mb)
-            self._head(self.backend, self.linear, hb)
+            if hidden:
+                self._final_norm(self.backend, mb)
+            if hb:
+                self._head(self.backend, self.linear, hb)
         return self._softcapped(self.logits[:h])
+
+    @property
+    def hidden(self):
+        """The final-norm output of every row of the last ``step(..., hidden=True)``, [max_batch, dim]
+        (the blocks' normalised-input buffer, free once the blocks have run)."""
+        return self.xn
 
     def forward(self, ids, pos0, all_logits=False):
         """Run tokens ``ids`` at positions pos0.. of the model's own single sequence (one KV
@@ -252,21 +269,26 @@ class TransformerModel:
         from llambda.runtime.recorder import SPLIT_MAX_ROWS, whole_head_split
         return m <= SPLIT_MAX_ROWS and whole_head_split(self.threads, keys)
 
-    def _plan(self, m, h, whole_heads=False):
+    def _plan(self, m, h, whole_heads=False, hidden=False):
         """The recorded plan of a step of ``m`` rows and ``h`` head rows (built once, then
         reused; read from the disk cache when an earlier process kept it); ``whole_heads``:
-        its variant for rows deep into a long context (_whole_heads)."""
-        key = (m, h, "whole heads") if whole_heads else (m, h)
+        its variant for rows deep into a long context (_whole_heads); ``hidden``: the variant
+        that keeps every row's final-norm output (step's ``hidden``)."""
+        key = (m, h) + (("whole heads",) if whole_heads else ()) + ((HIDDEN,) if hidden else ())
         if key not in self._plans:
             self._plans[key] = self._kept_plan(*key) or self._record_plan(*key)
         return self._plans[key]
 
     def _record_plan(self, m, h, *variant):
         from llambda.runtime.recorder import PlanRecorder
-        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend, whole_heads=bool(variant))
+        rec = PlanRecorder(self.threads, self.kv.max_blocks * KV_BLOCK, self.backend,
+                           whole_heads="whole heads" in variant)
         lin = self.linear.on(rec)
         self._blocks(rec, lin, m)
-        self._head(rec, lin, h)
+        if HIDDEN in variant:
+            self._final_norm(rec, m)
+        if h:
+            self._head(rec, lin, h)
         rec.finish()
         if self.source is not None:
             # kept on disk by another thread (the write ends with an fsync) while the step that
@@ -411,6 +433,12 @@ class TransformerModel:
             if a.post_norms:
                 be.rmsnorm(proj, L.post_ffw_norm, c.rms_eps, proj)
             be.add(x, proj, x)
+
+    def _final_norm(self, be, m):
+        """The final norm of all m rows, into ``hidden`` (no LM head): the hidden states that
+        embeddings pool. The same op on the same row as _head's, so a row's value is the one
+        the LM head reads."""
+        be.rmsnorm(self.x[:m], self.output_norm, self.config.rms_eps, self.hidden[:m])
 
     def _head(self, be, lin, h):
         """Final norm and LM head for the h rows listed in head_rows, into self.logits[:h]."""

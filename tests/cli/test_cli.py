@@ -98,3 +98,28 @@ def test_run_prints_only_text_on_stdout(tiny):
 def test_bench_refuses_prompts_it_cannot_time(tiny, args, needle):
     """Checked before anything is measured (no model is converted, no ceiling probed)."""
     assert_user_error(llambda_cli("bench", "--model", tiny, "--threads", "1", *args), needle)
+
+
+def test_serve_security_flags_refused_before_the_model_loads(tiny, tmp_path):
+    """One line naming the flag and the file at fault, exit 2, no server started (issue 36)."""
+    pytest.importorskip("uvicorn")
+    empty, junk = tmp_path / "empty-keys.txt", tmp_path / "junk.pem"
+    empty.write_text("# no key yet\n\n")
+    junk.write_text("not a certificate\n")
+    cases = [
+        (("--api-key-file", tmp_path / "keys.txt"), ("--api-key-file", "keys.txt", "no such file")),
+        (("--api-key-file", empty), ("empty-keys.txt", "holds no key")),
+        (("--api-key-file", tmp_path), ("--api-key-file", "cannot read")),
+        (("--api-key", ""), ("--api-key", "empty")),
+        (("--api-key", "two words"), ("--api-key", "without spaces")),
+        (("--ssl-keyfile", junk), ("--ssl-keyfile needs --ssl-certfile",)),
+        (("--ssl-certfile", junk), ("--ssl-certfile needs --ssl-keyfile",)),
+        (("--ssl-keyfile", tmp_path / "nope.key", "--ssl-certfile", junk),
+         ("--ssl-keyfile", "nope.key", "no such file")),
+        (("--ssl-keyfile", junk, "--ssl-certfile", junk), ("junk.pem", "not a PEM certificate")),
+        (("--cors-origins", "https://ok.example,https://slash.example/"), ("--cors-origins", "https://slash.example/")),
+    ]
+    for args, needles in cases:
+        proc = llambda_cli("serve", "--model", tiny, "--port", "0", *args)
+        assert_user_error(proc, *needles)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -4,6 +4,7 @@
     schemas.py  request bodies (pydantic) and their mapping onto Model.submit
     errors.py   OpenAI-shaped error bodies for every 4xx/5xx
     metrics.py  the Prometheus view of the engine
+    auth.py     API keys (an ASGI middleware) and CORS origins
     serve.py    model + uvicorn + graceful shutdown
     static/     the chat page at / (index.html, chat.js, chat.css: no build step, no CDN)
 """

@@ -475,10 +475,19 @@ class ReferenceModel:
 
     def prefill(self, ids) -> np.ndarray:
         """Append tokens to the sequence; returns their logits [len(ids), vocab] (float32)."""
+        c = self.config
+        logits = self._linear(self.hidden(ids), self.weights.output)
+        if c.logit_softcap > 0:
+            logits = (c.logit_softcap * np.tanh(logits.astype(np.float64) / c.logit_softcap)).astype(np.float32)
+        return logits
+
+    def hidden(self, ids) -> np.ndarray:
+        """Append tokens to the sequence; returns their final-norm output [len(ids), dim]
+        (float32): the rows the LM head multiplies, which llama.cpp's embeddings pool."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         c = self.config
         if ids.size == 0:
-            return np.zeros((0, c.vocab_size), dtype=np.float32)
+            return np.zeros((0, c.dim), dtype=np.float32)
         if ids.min() < 0 or ids.max() >= c.vocab_size:
             raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
         first_pos = self.position
@@ -488,11 +497,7 @@ class ReferenceModel:
             x = x + self._post_norm(layer, "post_attention_norm",
                                     self._attention_block(i, layer, x, positions, first_pos))
             x = x + self._post_norm(layer, "post_ffw_norm", self._ffn_block(layer, x))
-        x = _rms_norm(x, self.weights.output_norm, c.rms_eps)
-        logits = self._linear(x, self.weights.output)
-        if c.logit_softcap > 0:
-            logits = (c.logit_softcap * np.tanh(logits.astype(np.float64) / c.logit_softcap)).astype(np.float32)
-        return logits
+        return _rms_norm(x, self.weights.output_norm, c.rms_eps)
 
     def step(self, token_id: int) -> np.ndarray:
         """One decode step: the logits [vocab] of `token_id` at the next position."""

@@ -49,7 +49,8 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
                        sliding_window: int | None = None, sliding_window_pattern: int | None = None,
                        rope_base_swa: float | None = None, logit_softcap: float | None = None,
                        rope_scaling: dict | None = None, rope_freqs: bool = False,
-                       padding_tokens: int = 0, unlisted_rows: int = 0, tokenizer_from=None) -> Path:
+                       padding_tokens: int = 0, unlisted_rows: int = 0, tokenizer_from=None,
+                       pooling_type: int | None = None) -> Path:
     """Write a random-weight GGUF of architecture ``arch`` to ``path`` and return the path.
 
     Matrices use ``tensor_type`` (any type gguf-py can quantize to: F32, F16, BF16,
@@ -67,6 +68,8 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
     ``padding_tokens``: the last rows of the vocabulary are ``[PAD<id>]`` tokens;
     ``unlisted_rows``: the embedding has that many rows more than the tokenizer has tokens
     (llama.cpp refuses such a file; llambda runs it and never produces those ids).
+    ``pooling_type``: ``<arch>.pooling_type`` (llama.h's enum: 0 none, 1 mean, 2 cls, 3 last,
+    4 rank), as embedding models' files carry it.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -94,6 +97,8 @@ def write_random_model(path, *, arch: str = "llama", seed: int = 0, n_layer: int
     _add_hparams(writer, arch, sizes, tensor_type=tensor_type, n_ctx=n_ctx, rope_base=rope_base,
                  rms_eps=rms_eps, sliding_window=sliding_window, pattern=sliding_window_pattern,
                  rope_base_swa=rope_base_swa, logit_softcap=logit_softcap, rope_scaling=rope_scaling)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     tokenizer.add_to(writer)
     return write_gguf(path, writer, [plan.info for plan in plans],
                       (_draw_tensor(plan, seed, index) for index, plan in enumerate(plans)))

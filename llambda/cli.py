@@ -169,7 +169,7 @@ def cmd_serve(args):
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
                  log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type,
                  api_keys=keys, metrics_public=args.metrics_public, cors_origins=origins,
-                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, aliases=args.alias)
 
 
 def cmd_convert(args):
@@ -335,6 +335,9 @@ def build_parser():
                        help="browser origins that may call the API, e.g. https://app.example (* for any; default none)")
     serve.add_argument("--ssl-keyfile", metavar="PATH", help="TLS private key (PEM, with --ssl-certfile): serve https")
     serve.add_argument("--ssl-certfile", metavar="PATH", help="TLS certificate chain (PEM, with --ssl-keyfile)")
+    serve.add_argument("--alias", action="append", default=[], metavar="NAME",
+                       help="another model name requests may use (e.g. gpt-4o-mini); /v1/models lists it after "
+                            "the id; repeatable")
     serve.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")

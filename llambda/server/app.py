@@ -27,7 +27,7 @@ from fastapi.staticfiles import StaticFiles
 
 from llambda.serving.engine import EngineBusy
 from llambda.errors import UserError
-from . import auth, errors, schemas
+from . import auth, errors, schemas, utility_routes
 from .errors import ApiError
 from .metrics import Metrics
 
@@ -38,10 +38,13 @@ STATIC_DIR = Path(__file__).parent / "static"      # the chat page at / (docs/se
 class Served:
     """What the routes share: the model, its names, the metrics and the requests in flight."""
 
-    def __init__(self, model, model_id, aliases=()):
+    def __init__(self, model, model_id, aliases=(), listed=()):
+        """``aliases``: other names requests may use; ``listed``: names (``--alias``) that
+        /v1/models shows after the id, each as a card of its own."""
         self.model = model
         self.model_id = model_id
-        self.names = {model_id, *aliases}
+        self.listed = list(dict.fromkeys([model_id, *listed]))      # the id first, no repeats
+        self.names = {*self.listed, *aliases}
         self.metrics = Metrics(model)
         self.created = int(time.time())
         self.active = set()               # completions not finished yet
@@ -53,11 +56,15 @@ class Served:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         if req.model not in self.names:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
-                           param="model", code="model_not_found")
+            raise self.unknown_model(req.model)
         problem = schemas.unsupported(req)
         if problem is not None:
             raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")
+
+    def unknown_model(self, name):
+        shown = ", ".join(repr(n) for n in self.listed)
+        return ApiError(404, f"the model {name!r} does not exist; the models here are {shown}",
+                        param="model", code="model_not_found")
 
     # -- submitting -------------------------------------------------------------
     async def constraint(self, req):
@@ -88,7 +95,8 @@ class Served:
             raise ApiError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except UserError as e:
-            raise ApiError(400, str(e), param=param) from None
+            # an OptionError (logit_bias, stop_token_ids, min_tokens, ...) names its own field
+            raise ApiError(400, str(e), param=getattr(e, "field", None) or param) from None
         self.active.add(run.completion)
         return run
 
@@ -223,14 +231,16 @@ class EventStream(StreamingResponse):
             self._served.finished(self._run)
 
 
-def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics_public=False, cors_origins=()):
-    served = served or Served(model, model_id, aliases)
+def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics_public=False, cors_origins=(),
+               listed=()):
+    served = served or Served(model, model_id, aliases, listed)
     app = FastAPI(title="llambda", summary="OpenAI-compatible API over a llambda model")
     app.state.served = served
     errors.install(app, on_error=served.metrics.error)
     auth.install(app, api_keys, metrics_public, cors_origins, on_refused=served.metrics.error)   # keys, CORS
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.include_router(utility_routes.router)        # /tokenize, /detokenize, /apply-template
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
@@ -247,19 +257,18 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
         body, content_type = served.metrics.render()
         return Response(body, media_type=content_type)
 
-    def model_card():
-        return {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "llambda"}
+    def model_card(name):
+        return {"id": name, "object": "model", "created": served.created, "owned_by": "llambda"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in served.listed]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str):
         if name not in served.names:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.model_id!r}",
-                           param="model", code="model_not_found")
-        return model_card()
+            raise served.unknown_model(name)
+        return model_card(name if name in served.listed else served.model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -4,8 +4,8 @@ Validation is strict (a string is not a number, a number is not a string), so an
 is a 400 naming it rather than a silent coercion; unknown fields are ignored, as OpenAI's own
 clients send fields a local server has no use for (``user``, ``metadata``, ...). Ranges follow
 the OpenAI API reference; ``top_k``, ``min_p``, ``repeat_penalty`` and ``ignore_eos`` are
-llama.cpp's extras. Options llambda cannot honour (n > 1, tools, logit_bias, ...) are refused
-by ``unsupported()`` instead of being dropped.
+llama.cpp's extras, ``stop_token_ids`` and ``min_tokens`` vLLM's. Options llambda cannot honour
+(n > 1, tools, ...) are refused by ``unsupported()`` instead of being dropped.
 
 Structured output (``constraint_options``): OpenAI's ``response_format`` (json_object,
 json_schema), llama.cpp's ``grammar`` (GBNF) and ``json_schema``, vLLM's ``regex`` / ``choice``
@@ -67,13 +67,17 @@ class _Sampling(_Body):
     presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
     frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
     seed: Optional[Seed] = None
-    logit_bias: Optional[dict[str, float]] = None
+    # {token id as text: bias}: ids checked against the vocabulary by Model.submit (400 naming logit_bias)
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
     user: Optional[str] = None
     # llama.cpp's extras
     top_k: Optional[Annotated[int, Field(ge=0)]] = None
     min_p: Optional[Annotated[float, Field(ge=0.0, lt=1.0)]] = None
     repeat_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
     ignore_eos: bool = False
+    # vLLM's extras
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Optional[Annotated[int, Field(ge=0)]] = None
     # structured output (constraint_options)
     response_format: Optional[ResponseFormat] = None
     grammar: Optional[str] = None
@@ -130,8 +134,6 @@ def unsupported(req):
     """(param, message) of the first option of ``req`` llambda does not implement, else None."""
     if req.n not in (None, 1):
         return "n", "only n=1 is supported (one choice per request)"
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported"
     if isinstance(req, ChatRequest):
         if req.tools:
             return "tools", "tools are not supported"
@@ -234,4 +236,5 @@ def sampling_options(req, n_ctx_left):
                 top_k=req.top_k or 0, min_p=req.min_p or 0.0,
                 repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                seed=seed, stop=stop, ignore_eos=req.ignore_eos)
+                seed=seed, stop=stop, ignore_eos=req.ignore_eos, logit_bias=req.logit_bias,
+                stop_token_ids=req.stop_token_ids or (), min_tokens=req.min_tokens or 0)

@@ -23,7 +23,7 @@ from . import auth
 def model_names(model, model_arg):
     """The id /v1/models shows (the GGUF's file name without .gguf) and the other names a
     request may use for the model: the file name, the ``--model`` argument as given, the
-    catalogue name."""
+    catalogue name. (``--alias`` names come on top: check_aliases.)"""
     from llambda.model import catalog
     from llambda.model import default_model
     if model_arg is None:
@@ -34,6 +34,15 @@ def model_names(model, model_arg):
         file_name, extra = Path(model_arg).name, [str(model_arg)]
     names = [Path(file_name).stem, file_name, *extra, Path(model.path).stem]    # the last: the converted file
     return names[0], set(names[1:]) - {names[0]}
+
+
+def check_aliases(aliases):
+    """``--alias`` names, in order, each once: more names for the model (``--alias gpt-4o-mini``),
+    which /v1/models lists after the id (as vLLM lists its --served-model-name names)."""
+    for name in aliases:
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise UserError(f"--alias: expected a model name without surrounding spaces, got {name!r}")
+    return list(dict.fromkeys(aliases))
 
 
 def listen(host, port):
@@ -67,7 +76,7 @@ def check_tls(keyfile, certfile):
 
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
           grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None, api_keys=(), metrics_public=False,
-          cors_origins=(), ssl_keyfile=None, ssl_certfile=None):
+          cors_origins=(), ssl_keyfile=None, ssl_certfile=None, aliases=()):
     try:
         import uvicorn
         from .app import create_app
@@ -79,15 +88,16 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
     # what the user gave, checked before the model loads
     api_keys, cors_origins = auth.check_keys(api_keys), auth.check_origins(cors_origins)
     tls = check_tls(ssl_keyfile, ssl_certfile)
+    aliases = check_aliases(aliases)
 
     model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
                          kv_cache_mb=kv_cache_mb, kv_type=kv_type)
     try:
         # every step shape's plan now, so that no request's first token waits for one
         model.engine.call(model.net.warm_plans)
-        model_id, aliases = model_names(model, model_arg)
-        app = create_app(model, model_id, aliases, api_keys=api_keys, metrics_public=metrics_public,
-                         cors_origins=cors_origins)
+        model_id, other_names = model_names(model, model_arg)
+        app = create_app(model, model_id, other_names, api_keys=api_keys, metrics_public=metrics_public,
+                         cors_origins=cors_origins, listed=aliases)
         served = app.state.served
         sock = listen(host, port)
 

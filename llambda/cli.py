@@ -169,7 +169,9 @@ def cmd_serve(args):
                  threads=args.threads, max_waiting=args.max_waiting, grace_s=args.shutdown_grace,
                  log_level=args.log_level, kv_cache_mb=args.kv_cache_mb, kv_type=args.kv_type,
                  api_keys=keys, metrics_public=args.metrics_public, cors_origins=origins,
-                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, aliases=args.alias)
+                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, aliases=args.alias,
+                 reasoning_format=args.reasoning_format, tool_format=args.tool_format,
+                 chat_template=args.chat_template)
 
 
 def cmd_convert(args):
@@ -338,6 +340,13 @@ def build_parser():
     serve.add_argument("--alias", action="append", default=[], metavar="NAME",
                        help="another model name requests may use (e.g. gpt-4o-mini); /v1/models lists it after "
                             "the id; repeatable")
+    serve.add_argument("--chat-template", metavar="NAME|FILE",
+                       help="a built-in chat format (chatml, gemma, ...) or a Jinja file, instead of the model's own")
+    serve.add_argument("--reasoning-format", default="auto", choices=("auto", "none"),
+                       help="auto: a reply's <think> block goes to reasoning_content; none: it stays in the content")
+    serve.add_argument("--tool-format", choices=("hermes", "llama3", "phi4", "json"),
+                       help="how the model writes tool calls (default: from its chat template; json for templates "
+                            "without tools)")
     serve.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")

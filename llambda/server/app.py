@@ -47,6 +47,9 @@ class Served:
         self.names = {*self.listed, *aliases}
         self.metrics = Metrics(model)
         self.created = int(time.time())
+        self.reasoning_format = "auto"    # --reasoning-format: "none" leaves <think> blocks in the content
+        self.tool_format = None           # --tool-format, else the template's (llambda/chat/tools.py)
+        self._specials = None
         self.active = set()               # completions not finished yet
         self.draining = False
 
@@ -65,6 +68,38 @@ class Served:
         shown = ", ".join(repr(n) for n in self.listed)
         return ApiError(404, f"the model {name!r} does not exist; the models here are {shown}",
                         param="model", code="model_not_found")
+
+    # -- chat turns -------------------------------------------------------------
+    async def chat_turn(self, req):
+        """The request's llambda.chat.turn.Turn (prompt ids, constraint, reply reader), made
+        off the event loop; a bad tool list, tool choice or message is a 400 naming it."""
+        constraint = await self.constraint(req)
+        reasoning = "none" if "none" in (self.reasoning_format, req.reasoning_format) else "auto"
+
+        def prepare():
+            from llambda.chat import turn
+            if self._specials is None:
+                self._specials = turn.special_tags(self.model.tokenizer)
+            return turn.prepare(self.model, schemas.message_dicts(req), tools=req.tools, tool_choice=req.tool_choice,
+                                parallel_tool_calls=req.parallel_tool_calls is not False,
+                                template_kwargs=req.chat_template_kwargs, reasoning=reasoning,
+                                tool_format=self.tool_format, specials=self._specials, constraint=constraint)
+        from llambda.chat.tools import ToolError
+        try:
+            return await run_in_threadpool(prepare)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.field, code="invalid_tools") from None
+        except UserError as e:
+            param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise ApiError(400, str(e), param=param) from None
+
+    def reader(self, turn):
+        """How to read the reply: None when it is plain content (no tools this turn, and no
+        <think> block the template or prompt could open), else a ReplyReader."""
+        if turn.tool_format is None and not turn.thinking and not (
+                turn.reasoning and "<think>" in (self.model.chat_template.text or "")):
+            return None
+        return turn.reader()
 
     # -- submitting -------------------------------------------------------------
     async def constraint(self, req):
@@ -232,8 +267,17 @@ class EventStream(StreamingResponse):
 
 
 def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics_public=False, cors_origins=(),
-               listed=()):
+               listed=(), reasoning_format="auto", tool_format=None):
+    """``reasoning_format``: "auto" puts <think> blocks in reasoning_content, "none" leaves them
+    in the content; ``tool_format``: a tool-call format's name (llambda/chat/tools.py), else
+    the template's."""
     served = served or Served(model, model_id, aliases, listed)
+    from llambda.chat import turn as chat_turn
+    if reasoning_format not in chat_turn.REASONING_FORMATS:
+        raise UserError(f"--reasoning-format: expected one of {', '.join(chat_turn.REASONING_FORMATS)}, "
+                        f"got {reasoning_format!r}")
+    served.reasoning_format = reasoning_format
+    served.tool_format = None if tool_format is None else chat_turn.tool_format_of(model, tool_format)
     app = FastAPI(title="llambda", summary="OpenAI-compatible API over a llambda model")
     app.state.served = served
     errors.install(app, on_error=served.metrics.error)
@@ -274,28 +318,31 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
     async def chat_completions(request: Request):
         req = await parse(request, schemas.ChatRequest)
         served.check(req)
-
-        def prompt_ids():
-            text = model.render_chat(schemas.message_dicts(req))
-            return model.tokenize(text, add_special=model.chat_template.builtin)
-        try:
-            ids = await run_in_threadpool(prompt_ids)
-        except UserError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        turn = await served.chat_turn(req)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        run = served.start(ids, req, top, "messages", await served.constraint(req))
+        run = served.start(turn.ids, req, top, "messages", turn.constraint)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
+        reader = served.reader(turn)
         if req.stream:
-            return EventStream(chat_stream(served, run, req, head), served, run)
+            return EventStream(chat_stream(served, run, req, head, reader), served, run)
         events, c = await collected(served, run, request)
         logprobs = None
         if top is not None:
             logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
                         "refusal": None}
-        text = "".join(e.text for e in events)
-        return dict(head, choices=[{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                                    "logprobs": logprobs, "finish_reason": c.finish_reason}], usage=usage(c))
+        message = {"role": "assistant", "content": "".join(e.text for e in events), "refusal": None}
+        finish_reason = c.finish_reason
+        if reader is not None:
+            reader.feed(message["content"])
+            reply = reader.message()
+            message["content"] = reply["content"]
+            for key in ("reasoning_content", "tool_calls"):
+                if reply[key] is not None:
+                    message[key] = reply[key]
+            finish_reason = chat_finish_reason(c, reply["tool_calls"])
+        return dict(head, choices=[{"index": 0, "message": message, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}], usage=usage(c))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -366,7 +413,14 @@ def stream_end(c, last_chunk, base, include_usage):
     yield "data: [DONE]\n\n"
 
 
-async def chat_stream(served, run, req, head):
+def chat_finish_reason(c, tool_calls):
+    """OpenAI's finish_reason: "tool_calls" when a reply that ended by itself called tools."""
+    return "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+
+
+async def chat_stream(served, run, req, head, reader=None):
+    """The chat SSE stream. With a ``reader`` (tools, reasoning), the deltas are what it reads
+    in the text so far: content, reasoning_content and tool_calls in OpenAI's chunk shapes."""
     c = run.completion
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     want_logprobs = bool(req.logprobs)
@@ -380,12 +434,25 @@ async def chat_stream(served, run, req, head):
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for event in run.events():
+            logprobs = None
             if want_logprobs and event.token is not None:
-                yield chunk({"content": event.text},
-                            logprobs={"content": [served.chat_logprob(event)], "refusal": None})
-            elif event.text:
-                yield chunk({"content": event.text})
-        for line in stream_end(c, lambda reason: chunk({}, reason), base, include_usage):
+                logprobs = {"content": [served.chat_logprob(event)], "refusal": None}
+            if reader is None:
+                if logprobs is not None or event.text:
+                    yield chunk({"content": event.text}, logprobs=logprobs)
+                continue
+            deltas = reader.feed(event.text)
+            if logprobs is not None and not deltas:
+                deltas = [{}]                    # the token's logprobs, with no text to show yet
+            for delta in deltas:
+                yield chunk(delta, logprobs=logprobs)
+                logprobs = None
+        finish_reason = None
+        if reader is not None and c.finish_reason in ("stop", "length"):
+            for delta in reader.finish():
+                yield chunk(delta)
+            finish_reason = chat_finish_reason(c, reader.message()["tool_calls"])
+        for line in stream_end(c, lambda reason: chunk({}, finish_reason or reason), base, include_usage):
             yield line
     finally:
         served.finished(run)

@@ -5,7 +5,8 @@ is a 400 naming it rather than a silent coercion; unknown fields are ignored, as
 clients send fields a local server has no use for (``user``, ``metadata``, ...). Ranges follow
 the OpenAI API reference; ``top_k``, ``min_p``, ``repeat_penalty`` and ``ignore_eos`` are
 llama.cpp's extras, ``stop_token_ids`` and ``min_tokens`` vLLM's. Options llambda cannot honour
-(n > 1, tools, ...) are refused by ``unsupported()`` instead of being dropped.
+(n > 1, ...) are refused by ``unsupported()`` instead of being dropped. Tools and reasoning:
+llambda/chat/turn.py.
 
 Structured output (``constraint_options``): OpenAI's ``response_format`` (json_object,
 json_schema), llama.cpp's ``grammar`` (GBNF) and ``json_schema``, vLLM's ``regex`` / ``choice``
@@ -103,14 +104,24 @@ class ContentPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str                           # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    model_config = ConfigDict(strict=True, extra="allow")     # name, tool_call_id, ... reach the template
+    model_config = ConfigDict(strict=True, extra="allow")     # name, ... reach the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
-
-
-class ResponseFormat(_Body):
-    type: str
+    tool_calls: Optional[list[ToolCall]] = None              # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                       # a tool result's call
+    reasoning_content: Optional[str] = None                  # an assistant's earlier reasoning
 
 
 class ChatRequest(_Sampling):
@@ -118,7 +129,14 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Optional[Annotated[int, Field(ge=0)]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    # checked by llambda/chat/tools.py (400 naming the entry at fault)
     tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # more variables for the chat template ({"enable_thinking": false}), llama.cpp's and vLLM's
+    chat_template_kwargs: Optional[dict] = None
+    # llama.cpp's: "auto" puts a <think> block in reasoning_content, "none" leaves it in the content
+    reasoning_format: Optional[Literal["auto", "none", "deepseek"]] = None
 
 
 class CompletionRequest(_Sampling):
@@ -135,8 +153,6 @@ def unsupported(req):
     if req.n not in (None, 1):
         return "n", "only n=1 is supported (one choice per request)"
     if isinstance(req, ChatRequest):
-        if req.tools:
-            return "tools", "tools are not supported"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         for i, m in enumerate(req.messages):

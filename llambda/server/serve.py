@@ -76,7 +76,8 @@ def check_tls(keyfile, certfile):
 
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
           grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None, api_keys=(), metrics_public=False,
-          cors_origins=(), ssl_keyfile=None, ssl_certfile=None, aliases=()):
+          cors_origins=(), ssl_keyfile=None, ssl_certfile=None, aliases=(), reasoning_format="auto",
+          tool_format=None, chat_template=None):
     try:
         import uvicorn
         from .app import create_app
@@ -91,13 +92,14 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
     aliases = check_aliases(aliases)
 
     model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
-                         kv_cache_mb=kv_cache_mb, kv_type=kv_type)
+                         kv_cache_mb=kv_cache_mb, kv_type=kv_type, chat_template=chat_template)
     try:
         # every step shape's plan now, so that no request's first token waits for one
         model.engine.call(model.net.warm_plans)
         model_id, other_names = model_names(model, model_arg)
         app = create_app(model, model_id, other_names, api_keys=api_keys, metrics_public=metrics_public,
-                         cors_origins=cors_origins, listed=aliases)
+                         cors_origins=cors_origins, listed=aliases, reasoning_format=reasoning_format,
+                         tool_format=tool_format)
         served = app.state.served
         sock = listen(host, port)
 

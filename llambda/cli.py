@@ -171,7 +171,7 @@ def cmd_serve(args):
                  api_keys=keys, metrics_public=args.metrics_public, cors_origins=origins,
                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, aliases=args.alias,
                  reasoning_format=args.reasoning_format, tool_format=args.tool_format,
-                 chat_template=args.chat_template)
+                 chat_template=args.chat_template, pooling=args.pooling)
 
 
 def cmd_convert(args):
@@ -347,6 +347,9 @@ def build_parser():
     serve.add_argument("--tool-format", choices=("hermes", "llama3", "phi4", "json"),
                        help="how the model writes tool calls (default: from its chat template; json for templates "
                             "without tools)")
+    serve.add_argument("--pooling", choices=("mean", "cls", "last"),
+                       help="how /v1/embeddings pools a text's tokens (default: the GGUF's pooling_type, else mean; "
+                            "last for Qwen3-Embedding)")
     serve.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="repack a GGUF into llambda's memory-mappable format")

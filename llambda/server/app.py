@@ -284,6 +284,8 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
     auth.install(app, api_keys, metrics_public, cors_origins, on_refused=served.metrics.error)   # keys, CORS
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    from .embeddings import router as embeddings_router
+    app.include_router(embeddings_router)             # /v1/embeddings (embeddings.py)
     app.include_router(utility_routes.router)        # /tokenize, /detokenize, /apply-template
 
     @app.get("/", include_in_schema=False)

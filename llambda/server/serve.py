@@ -77,7 +77,7 @@ def check_tls(keyfile, certfile):
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
           grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None, api_keys=(), metrics_public=False,
           cors_origins=(), ssl_keyfile=None, ssl_certfile=None, aliases=(), reasoning_format="auto",
-          tool_format=None, chat_template=None):
+          tool_format=None, chat_template=None, pooling=None):
     try:
         import uvicorn
         from .app import create_app
@@ -90,9 +90,14 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
     api_keys, cors_origins = auth.check_keys(api_keys), auth.check_origins(cors_origins)
     tls = check_tls(ssl_keyfile, ssl_certfile)
     aliases = check_aliases(aliases)
+    if pooling is not None:
+        from llambda.serving.embedding import check_pooling
+        check_pooling(pooling, "--pooling")
 
     model = llambda.load(model_arg, n_ctx=n_ctx, threads=threads, parallel=parallel, max_waiting=max_waiting,
                          kv_cache_mb=kv_cache_mb, kv_type=kv_type, chat_template=chat_template)
+    if pooling is not None:
+        model.pooling = pooling       # /v1/embeddings' pooling, instead of the GGUF's pooling_type
     try:
         # every step shape's plan now, so that no request's first token waits for one
         model.engine.call(model.net.warm_plans)

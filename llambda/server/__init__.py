@@ -6,6 +6,7 @@
     metrics.py  the Prometheus view of the engine
     auth.py     API keys (an ASGI middleware) and CORS origins
     serve.py    model + uvicorn + graceful shutdown
+    embeddings.py  POST /v1/embeddings over Model.embed (float or base64)
     static/     the chat page at / (index.html, chat.js, chat.css: no build step, no CDN)
 """
 from .serve import serve

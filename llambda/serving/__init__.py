@@ -4,4 +4,5 @@
     kv_pool.py     the paged KV cache: one arena of blocks, block tables, prefix sharing
     sampling.py    the next token from the logits (llama.cpp's filter order)
     generation.py  the decode loop: stop rules, streamed text
+    embedding.py   embeddings: a text's final-norm rows as an engine sequence, pooled (mean/cls/last)
 """

@@ -232,7 +232,7 @@ class Model:
                repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
                truncate=False, add_special=True, ignore_eos=False, logprobs=None, on_event=None,
                json_schema=None, json_object=False, grammar=None, regex=None, choice=None, lark=None,
-               constraint=None, logit_bias=None, stop_token_ids=(), min_tokens=0):
+               constraint=None, logit_bias=None, stop_token_ids=(), min_tokens=0, after=None):
         """Queue a generation and return its llambda.serving.engine.Completion at once: iterate it for
         Events (token, text, logprob, top_logprobs), ``cancel()`` it from any thread, read
         ``finish_reason`` and the token counts when it is done. ``logprobs``: None, or how
@@ -253,7 +253,11 @@ class Model:
         end-of-generation token where it may end. A constraint that cannot be built raises
         llambda.serving.constraints.ConstraintError (a UserError) naming the option.
         ``constraint``: instead, one made by ``Model.constraint`` (not shared with another
-        sequence)."""
+        sequence).
+
+        ``after``: a Completion of the same prompt submitted before: this one then starts once
+        that one's prompt is in the KV cache, from its blocks (the n choices of one request,
+        sharing one prefill; see ``choices``)."""
         prompt, stop = inputs.check_prompt(prompt), inputs.check_stop(stop)
         from llambda.serving.sampling import Sampler, check_logit_bias
         try:
@@ -285,7 +289,7 @@ class Model:
         constraint = constraint or kinds
         return self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
                                   logprobs=logprobs, on_event=on_event, constraint=constraint,
-                                  stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                                  stop_token_ids=stop_token_ids, min_tokens=min_tokens, after=after)
 
     def _check_stop_token_ids(self, ids):
         """submit's stop_token_ids as a list of ids the model may produce."""
@@ -309,6 +313,32 @@ class Model:
             return None
         given = next(kind for kind in constraints.KINDS if kinds.get(kind) not in (None, False))
         return constraints.Constraint(grammar, self.tokenizer, self.n_vocab, field=field or given)
+
+    def choices(self, prompt, n, *, seed=None, **options):
+        """``n`` Completions of one prompt (OpenAI's ``n``): the first prefills it, the others
+        fork from its cached blocks once it has. Choice i draws with ``seed + i`` (any seed
+        when None), so it equals a lone run with that seed; a constraint is copied per choice.
+        ``options``: submit's."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise OptionError(f"n: expected a positive integer, got {n!r}", "n")
+        constraint = options.pop("constraint", None)
+        if constraint is None:
+            kinds = {k: options.pop(k) for k in ("json_schema", "json_object", "grammar", "regex", "choice", "lark")
+                     if k in options}
+            constraint = self.constraint(**kinds)
+        # copies made now, before the first choice's grammar moves
+        constraints = [constraint] + [constraint.copy() if constraint is not None else None for _ in range(n - 1)]
+        completions = []
+        try:
+            for i in range(n):
+                completions.append(self.submit(
+                    prompt, seed=None if seed is None else (seed + i) % 2 ** 64, constraint=constraints[i],
+                    after=completions[0] if completions else None, **options))
+        except BaseException:
+            for c in completions:
+                c.cancel()
+            raise
+        return completions
 
     def stats(self):
         """The engine's gauges and counters (requests running and waiting, tokens, KV blocks)."""

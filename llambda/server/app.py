@@ -124,27 +124,30 @@ class Served:
                            param=param, code="context_length_exceeded")
         run = Run(asyncio.get_running_loop())
         try:
-            run.completion = self.model.submit(ids, **schemas.sampling_options(req, n_ctx - len(ids)),
-                                               logprobs=logprobs, on_event=run.on_event, constraint=constraint)
+            run.completions = self.model.choices(ids, req.n or 1, **schemas.sampling_options(req, n_ctx - len(ids)),
+                                                 logprobs=logprobs, on_event=run.on_event, constraint=constraint)
         except EngineBusy as e:
             raise ApiError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except UserError as e:
             # an OptionError (logit_bias, stop_token_ids, min_tokens, ...) names its own field
             raise ApiError(400, str(e), param=getattr(e, "field", None) or param) from None
-        self.active.add(run.completion)
+        self.active.update(run.completions)
         return run
 
     def finished(self, run):
-        c = run.completion
-        if c not in self.active:            # said already
-            return
-        if not c.done:                      # the client left, or the response failed
-            c.cancel()
+        left = False
+        for c in run.completions:
+            if c not in self.active:        # said already
+                continue
+            if not c.done:                  # the client left, or the response failed
+                c.cancel()
+                left = True
+            else:
+                self.metrics.finished(c)
+            self.active.discard(c)
+        if left:
             self.metrics.disconnects.inc()
-        else:
-            self.metrics.finished(c)
-        self.active.discard(c)
 
     def drain(self, grace_s):
         """Refuse new requests; after ``grace_s`` cancel what still runs (on the event loop)."""
@@ -168,44 +171,60 @@ class Served:
 
 
 class Run:
-    """One request's sequence and the queue its events arrive on."""
+    """One request's sequences (its ``n`` choices) and the queue their events arrive on."""
 
     def __init__(self, loop):
         self.loop = loop
         self.queue = asyncio.Queue()
-        self.completion = None
+        self.completions = []
+
+    @property
+    def completion(self):
+        return self.completions[0]
 
     def on_event(self, completion, event):
         """On the engine thread: must be quick and must never raise (it would stop the engine)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (completion, event))
         except RuntimeError:           # the event loop is closed: nobody waits for this any more
             pass
 
     async def events(self):
-        while True:
-            event = await self.queue.get()
+        """(choice index, event) as they come, until every choice has ended."""
+        index = {id(c): i for i, c in enumerate(self.completions)}
+        left = len(self.completions)
+        while left:
+            completion, event = await self.queue.get()
             if event is None:
-                return
-            yield event
+                left -= 1
+                continue
+            yield index[id(completion)], event
 
     async def collect(self, request):
-        """Every event, cancelling the sequence if the client disconnects meanwhile."""
+        """Every choice's events [[event, ...], ...], cancelling the sequences if the client
+        disconnects meanwhile."""
         async def watch():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.completion.cancel()
+            for c in self.completions:
+                c.cancel()
         watcher = asyncio.ensure_future(watch())
         try:
-            return [event async for event in self.events()]
+            per_choice = [[] for _ in self.completions]
+            async for i, event in self.events():
+                per_choice[i].append(event)
+            return per_choice
         finally:
             watcher.cancel()
 
 
-def usage(c):
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def usage(completions):
+    """OpenAI's usage of a request's choices: the prompt once, every choice's tokens."""
+    first = completions[0]
+    generated = sum(c.completion_tokens for c in completions)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": first.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def sse(obj):
@@ -224,16 +243,16 @@ def failure(c):
 
 
 async def collected(served, run, request):
-    """(events, completion) of a run that does not stream, once it has ended; a completion that
-    neither stopped nor hit its length raises its ApiError."""
+    """[[event, ...] of each choice] of a run that does not stream, once it has ended; a choice
+    that neither stopped nor hit its length raises its ApiError."""
     try:
         events = await run.collect(request)
     finally:
         served.finished(run)
-    c = run.completion
-    if c.finish_reason not in ("stop", "length"):
-        raise failure(c)
-    return events, c
+    for c in run.completions:
+        if c.finish_reason not in ("stop", "length"):
+            raise failure(c)
+    return events
 
 
 MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
@@ -325,26 +344,27 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
         run = served.start(turn.ids, req, top, "messages", turn.constraint)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
-        reader = served.reader(turn)
+        readers = [served.reader(turn) for _ in run.completions]
         if req.stream:
-            return EventStream(chat_stream(served, run, req, head, reader), served, run)
-        events, c = await collected(served, run, request)
-        logprobs = None
-        if top is not None:
-            logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
-                        "refusal": None}
-        message = {"role": "assistant", "content": "".join(e.text for e in events), "refusal": None}
-        finish_reason = c.finish_reason
-        if reader is not None:
-            reader.feed(message["content"])
-            reply = reader.message()
-            message["content"] = reply["content"]
-            for key in ("reasoning_content", "tool_calls"):
-                if reply[key] is not None:
-                    message[key] = reply[key]
-            finish_reason = chat_finish_reason(c, reply["tool_calls"])
-        return dict(head, choices=[{"index": 0, "message": message, "logprobs": logprobs,
-                                    "finish_reason": finish_reason}], usage=usage(c))
+            return EventStream(chat_stream(served, run, req, head, readers), served, run)
+        choices = []
+        for i, (events, c, reader) in enumerate(zip(await collected(served, run, request), run.completions, readers)):
+            logprobs = None
+            if top is not None:
+                logprobs = {"content": [served.chat_logprob(e) for e in events if e.token is not None],
+                            "refusal": None}
+            message = {"role": "assistant", "content": "".join(e.text for e in events), "refusal": None}
+            finish_reason = c.finish_reason
+            if reader is not None:
+                reader.feed(message["content"])
+                reply = reader.message()
+                message["content"] = reply["content"]
+                for key in ("reasoning_content", "tool_calls"):
+                    if reply[key] is not None:
+                        message[key] = reply[key]
+                finish_reason = chat_finish_reason(c, reply["tool_calls"])
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
+        return dict(head, choices=choices, usage=usage(run.completions))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -366,16 +386,17 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             return EventStream(completion_stream(served, run, req, head, echo), served, run)
-        events, c = await collected(served, run, request)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = CompletionLogprobs(served, len(echo))
-            for e in events:
-                logprobs.add(e)
-            logprobs = logprobs.as_dict()
-        text = echo + "".join(e.text for e in events)
-        return dict(head, choices=[{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}],
-                    usage=usage(c))
+        choices = []
+        for i, (events, c) in enumerate(zip(await collected(served, run, request), run.completions)):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobs(served, len(echo))
+                for e in events:
+                    logprobs.add(e)
+                logprobs = logprobs.as_dict()
+            text = echo + "".join(e.text for e in events)
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return dict(head, choices=choices, usage=usage(run.completions))
 
     return app
 
@@ -402,16 +423,15 @@ class CompletionLogprobs:
                 "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
 
 
-def stream_end(c, last_chunk, base, include_usage):
-    """The SSE lines that end a stream: ``last_chunk(finish_reason)`` and the usage chunk, or
-    the error of a completion that neither stopped nor hit its length; then [DONE]."""
-    if c.finish_reason in ("stop", "length"):
-        yield last_chunk(c.finish_reason)
-        if include_usage:
-            yield sse(dict(base, choices=[], usage=usage(c)))
-    else:
-        e = failure(c)
+def stream_end(completions, base, include_usage):
+    """The SSE lines that end a stream whose choices have all sent their last chunk: the usage
+    chunk, or the error of a choice that neither stopped nor hit its length; then [DONE]."""
+    failed = [c for c in completions if c.finish_reason not in ("stop", "length")]
+    if failed:
+        e = failure(failed[0])
         yield sse(errors.error_body(e.message, e.type, e.param, e.code))
+    elif include_usage:
+        yield sse(dict(base, choices=[], usage=usage(completions)))
     yield "data: [DONE]\n\n"
 
 
@@ -420,69 +440,79 @@ def chat_finish_reason(c, tool_calls):
     return "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
 
 
-async def chat_stream(served, run, req, head, reader=None):
-    """The chat SSE stream. With a ``reader`` (tools, reasoning), the deltas are what it reads
-    in the text so far: content, reasoning_content and tool_calls in OpenAI's chunk shapes."""
-    c = run.completion
+async def chat_stream(served, run, req, head, readers):
+    """The chat SSE stream of every choice. A choice with a reader (tools, reasoning) sends what
+    it reads in its text so far: content, reasoning_content and tool_calls, in OpenAI's chunk
+    shapes; one without sends its text as content."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     want_logprobs = bool(req.logprobs)
     base = dict(head, object="chat.completion.chunk")
 
-    def chunk(delta, finish_reason=None, logprobs=None):
-        d = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+    def chunk(index, delta, finish_reason=None, logprobs=None):
+        d = dict(base, choices=[{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish_reason}])
         if include_usage:
             d["usage"] = None
         return sse(d)
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in run.events():
+        for i in range(len(run.completions)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, event in run.events():
             logprobs = None
             if want_logprobs and event.token is not None:
                 logprobs = {"content": [served.chat_logprob(event)], "refusal": None}
+            reader = readers[i]
             if reader is None:
                 if logprobs is not None or event.text:
-                    yield chunk({"content": event.text}, logprobs=logprobs)
+                    yield chunk(i, {"content": event.text}, logprobs=logprobs)
                 continue
             deltas = reader.feed(event.text)
             if logprobs is not None and not deltas:
                 deltas = [{}]                    # the token's logprobs, with no text to show yet
             for delta in deltas:
-                yield chunk(delta, logprobs=logprobs)
+                yield chunk(i, delta, logprobs=logprobs)
                 logprobs = None
-        finish_reason = None
-        if reader is not None and c.finish_reason in ("stop", "length"):
-            for delta in reader.finish():
-                yield chunk(delta)
-            finish_reason = chat_finish_reason(c, reader.message()["tool_calls"])
-        for line in stream_end(c, lambda reason: chunk({}, finish_reason or reason), base, include_usage):
+        for i, (c, reader) in enumerate(zip(run.completions, readers)):
+            if c.finish_reason not in ("stop", "length"):
+                continue
+            finish_reason = c.finish_reason
+            if reader is not None:
+                for delta in reader.finish():
+                    yield chunk(i, delta)
+                finish_reason = chat_finish_reason(c, reader.message()["tool_calls"])
+            yield chunk(i, {}, finish_reason)
+        for line in stream_end(run.completions, base, include_usage):
             yield line
     finally:
         served.finished(run)
 
 
 async def completion_stream(served, run, req, head, echo):
-    c = run.completion
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     base = dict(head, object="text_completion")
 
-    def chunk(text, finish_reason=None, logprobs=None):
-        d = dict(base, choices=[{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+    def chunk(index, text, finish_reason=None, logprobs=None):
+        d = dict(base, choices=[{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
         if include_usage:
             d["usage"] = None
         return sse(d)
     try:
+        offsets = [len(echo)] * len(run.completions)
         if echo:
-            yield chunk(echo)
-        offset = len(echo)
-        async for event in run.events():
+            for i in range(len(run.completions)):
+                yield chunk(i, echo)
+        async for i, event in run.events():
             if req.logprobs is not None and event.token is not None:
-                lp = CompletionLogprobs(served, offset)
+                lp = CompletionLogprobs(served, offsets[i])
                 lp.add(event)
-                yield chunk(event.text, logprobs=lp.as_dict())
+                yield chunk(i, event.text, logprobs=lp.as_dict())
             elif event.text:
-                yield chunk(event.text)
-            offset += len(event.text)
-        for line in stream_end(c, lambda reason: chunk("", reason), base, include_usage):
+                yield chunk(i, event.text)
+            offsets[i] += len(event.text)
+        for i, c in enumerate(run.completions):
+            if c.finish_reason in ("stop", "length"):
+                yield chunk(i, "", c.finish_reason)
+        for line in stream_end(run.completions, base, include_usage):
             yield line
     finally:
         served.finished(run)

@@ -5,7 +5,7 @@ is a 400 naming it rather than a silent coercion; unknown fields are ignored, as
 clients send fields a local server has no use for (``user``, ``metadata``, ...). Ranges follow
 the OpenAI API reference; ``top_k``, ``min_p``, ``repeat_penalty`` and ``ignore_eos`` are
 llama.cpp's extras, ``stop_token_ids`` and ``min_tokens`` vLLM's. Options llambda cannot honour
-(n > 1, ...) are refused by ``unsupported()`` instead of being dropped. Tools and reasoning:
+(best_of, suffix, ...) are refused by ``unsupported()`` instead of being dropped. Tools and reasoning:
 llambda/chat/turn.py.
 
 Structured output (``constraint_options``): OpenAI's ``response_format`` (json_object,
@@ -150,8 +150,6 @@ class CompletionRequest(_Sampling):
 
 def unsupported(req):
     """(param, message) of the first option of ``req`` llambda does not implement, else None."""
-    if req.n not in (None, 1):
-        return "n", "only n=1 is supported (one choice per request)"
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"

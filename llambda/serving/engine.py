@@ -70,6 +70,7 @@ class Completion:
     # row unless ``reads_cache`` lets its prompt start from the prefix cache
     pooled = False
     reads_cache = True
+    after = None                           # the Completion whose prefill a fork waits for (submit)
 
     def __init__(self, engine, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event,
                  constraint=None, stop_token_ids=(), min_tokens=0):
@@ -179,7 +180,7 @@ class Engine:
 
     # -- any thread -------------------------------------------------------------
     def submit(self, prompt, sampler, max_tokens, stops=(), ignore_eos=False, logprobs=None, on_event=None,
-               constraint=None, stop_token_ids=(), min_tokens=0):
+               constraint=None, stop_token_ids=(), min_tokens=0, after=None):
         """Queue a sequence: ``prompt`` token ids (checked by the caller), a Sampler of its own.
         ``logprobs``: None, or how many alternatives each event lists (0: only the token's).
         ``on_event(completion, event)``: called on the engine thread instead of queueing events
@@ -188,13 +189,16 @@ class Engine:
         stop_reason "grammar" when the grammar is complete). ``stop_token_ids``: ids that end it
         as EOS does (finish_reason "stop", stop_reason "stop_token"; the id is not emitted);
         ``min_tokens``: EOS and those ids are never drawn before it has generated that many
-        (both checked by the caller)."""
+        (both checked by the caller). ``after``: a Completion of the same prompt submitted
+        before: this one waits until that one's prompt is in the cache, then starts from its
+        sealed blocks (a fork: a request's n choices share one prefill)."""
         net = self.net
         if len(prompt) >= net.n_ctx:
             raise UserError(f"the prompt has {len(prompt)} tokens but the context holds {net.n_ctx} "
                             "with room for the reply (use a larger --ctx, or truncate)")
         c = Completion(self, prompt, sampler, max_tokens, stops, ignore_eos, logprobs, on_event, constraint,
                        stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+        c.after = after
         if net.kv.blocks_for(self._reserve(c)) > net.kv.n_blocks - 1:
             raise UserError(f"the request needs {net.kv.blocks_for(self._reserve(c))} KV blocks; the pool "
                             f"holds {net.kv.n_blocks - 1}")
@@ -321,7 +325,8 @@ class Engine:
 
     def _admittable(self):
         c = self._waiting[0]
-        return c._cancelled or (len(self._running) < self.net.max_seqs and self.net.kv.tables_available > 0)
+        return c._cancelled or (len(self._running) < self.net.max_seqs and self.net.kv.tables_available > 0
+                                and _prefilled(c.after))
 
     def _admit(self):
         kv = self.net.kv
@@ -334,8 +339,8 @@ class Engine:
                     self._waiting.popleft()
                     c._finish("cancelled", "cancelled")
                     continue
-                if len(self._running) >= self.net.max_seqs:
-                    return
+                if len(self._running) >= self.net.max_seqs or not _prefilled(c.after):
+                    return             # (a fork waits for the prompt it shares to be in the cache)
                 opened = kv.open(c.tokens if c.reads_cache else [], self._reserve(c))
                 if opened is None and self._running:
                     return             # not enough free blocks now: it waits for a sequence to end
@@ -568,6 +573,11 @@ class Engine:
             box["error"] = error
             done.set()
         self.net.close()
+
+
+def _prefilled(leader):
+    """A fork may start: its leader (None: no leader) has its prompt in the cache, or ended."""
+    return leader is None or leader.t_first is not None or leader.done
 
 
 def token_logprobs(logits, token, top):

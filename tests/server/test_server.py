@@ -231,7 +231,8 @@ BAD_CHAT = [
     ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens", None),
     ("presence_penalty out of range", {"presence_penalty": 5}, 400, "presence_penalty", None),
     ("top_logprobs too many", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
-    ("n of 2", {"n": 2}, 400, "n", "unsupported_parameter"),
+    ("n of 0", {"n": 0}, 400, "n", None),
+    ("n too many", {"n": 129}, 400, "n", None),
     ("unknown model", {"model": "gpt-9"}, 404, "model", "model_not_found"),
 ]
 

@@ -369,6 +369,32 @@ class Model:
         text = self.render_chat(messages)
         return self.generate(text, add_special=self.chat_template.builtin, **kwargs)
 
+    def respond(self, messages, *, tools=None, tool_choice=None, parallel_tool_calls=True, template_kwargs=None,
+                reasoning="auto", **options):
+        """The assistant's whole reply to ``messages`` as OpenAI's message dict: {"role",
+        "content", "reasoning_content", "tool_calls"} (the last two None when absent), plus
+        "finish_reason" ("stop", "length" or "tool_calls").
+
+        ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: as in OpenAI's API (the call is
+        read in the model family's format, llambda/chat/tools.py); messages may hold earlier
+        calls (assistant ``tool_calls``) and their results (role "tool"). ``template_kwargs``:
+        more chat-template variables, e.g. {"enable_thinking": False}. ``reasoning``: "auto"
+        puts a <think> block in reasoning_content, "none" keeps it in the content.
+        ``options``: submit's (max_tokens, temperature, seed, json_schema=, ...)."""
+        from llambda.chat import turn as chat_turn
+        constraint = self.constraint(**{k: options.pop(k) for k in ("json_schema", "json_object", "grammar",
+                                                                    "regex", "choice", "lark") if k in options})
+        turn = chat_turn.prepare(self, inputs.check_messages(messages), tools=tools, tool_choice=tool_choice,
+                                 parallel_tool_calls=parallel_tool_calls, template_kwargs=template_kwargs,
+                                 reasoning=reasoning, constraint=constraint)
+        completion = self.submit(turn.ids, constraint=turn.constraint, **options)
+        reader = turn.reader()
+        for event in completion:
+            reader.feed(event.text)
+        reply = reader.message()
+        finish = "tool_calls" if reply["tool_calls"] and completion.finish_reason == "stop" else completion.finish_reason
+        return dict(role="assistant", **reply, finish_reason=finish)
+
     # -- embeddings (llambda/serving/embedding.py) --------------------------------
     _pooling = None                   # set by the pooling property; None: not read from the file yet
 

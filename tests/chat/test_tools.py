@@ -253,3 +253,15 @@ def test_tools_and_another_constraint_do_not_mix(model):
     with pytest.raises(ToolError, match="response_format"):
         turn.prepare(model, [{"role": "user", "content": "x"}], tools=TOOLS,
                      constraint=model.constraint(json_object=True))
+
+
+def test_respond_is_the_python_api_of_a_turn(model):
+    reply = model.respond([{"role": "user", "content": "What is 2 + 3?"}], tools=TOOLS, tool_choice="required",
+                          parallel_tool_calls=False, max_tokens=300, seed=1, temperature=0.5)
+    assert reply["role"] == "assistant" and reply["finish_reason"] == "tool_calls" and reply["content"] is None
+    for call in reply["tool_calls"]:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    plain = model.respond([{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0)
+    assert plain["tool_calls"] is None and plain["reasoning_content"] is None and isinstance(plain["content"], str)
+    with pytest.raises(ToolError, match="tool_choice"):
+        model.respond([{"role": "user", "content": "Hi"}], tools=TOOLS, tool_choice="always")

@@ -5,4 +5,5 @@
     sampling.py    the next token from the logits (llama.cpp's filter order)
     generation.py  the decode loop: stop rules, streamed text
     embedding.py   embeddings: a text's final-norm rows as an engine sequence, pooled (mean/cls/last)
+    constraints.py constrained decoding: llguidance grammars, the step's token masks
 """

@@ -435,17 +435,22 @@ class Engine:
             return                             # it ended, or its grammar forces the next tokens
         if c.completion_tokens < c.min_tokens:
             self._hold_back_end(c, logits)
-        history = c.tokens
-        token = c.sampler.sample(logits, history)
+        token = c.sampler.sample(logits, c.tokens)
+        if self._take(c, token, lambda: token_logprobs(logits, token, c.logprobs)) and c.constraint is not None:
+            self._force(c)
+
+    def _take(self, c, token, logprob_of):
+        """``c`` generated ``token`` (sampled, or forced by its grammar): end ``c`` on an end id,
+        else append it and emit its event (``logprob_of()``: its logprob and alternatives, when
+        asked for). True while ``c`` goes on."""
         if c.t_first is None:
             c.t_first = time.perf_counter()
         if self._ends(c, token):
-            return
+            return False
         event = Event(token, "")
         if c.logprobs is not None:
-            event.logprob, event.top_logprobs = token_logprobs(logits, token, c.logprobs)
-        if self._append(c, token, event) and c.constraint is not None:
-            self._force(c)
+            event.logprob, event.top_logprobs = logprob_of()
+        return self._append(c, token, event)
 
     def _hold_back_end(self, c, logits):
         """min_tokens: ban the ids that would end ``c`` (EOS unless ignore_eos, its stop_token_ids)
@@ -550,14 +555,7 @@ class Engine:
                 self._end(c, "error", "error", c.constraint.failed(error))
                 return
         for token in tokens:
-            if c.t_first is None:
-                c.t_first = time.perf_counter()
-            if self._ends(c, token):
-                return
-            event = Event(token, "")
-            if c.logprobs is not None:
-                event.logprob, event.top_logprobs = 0.0, ([(token, 0.0)] if c.logprobs else [])
-            if not self._append(c, token, event):
+            if not self._take(c, token, lambda: (0.0, [(token, 0.0)] if c.logprobs else [])):
                 return
 
     def _shut_down(self):

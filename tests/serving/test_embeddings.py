@@ -265,7 +265,7 @@ def llama_cpp_vectors(path, texts, pooling):
     cpp = llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, n_ubatch=512, embedding=True,
                           pooling_type=LLAMA_POOLING[pooling], verbose=False)
     try:
-        tokens = [cpp.tokenize(t.encode(), add_bos=True, special=True) for t in texts]
+        tokens = [cpp.tokenize(t.encode(), add_bos=True, special=False) for t in texts]   # as embed() does
         return np.array(cpp.embed(texts, normalize=False), np.float64), tokens
     finally:
         getattr(cpp, "close", lambda: None)()

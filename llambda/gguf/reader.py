@@ -105,7 +105,12 @@ class GGUFFile:
             key, pos = self._string_at(pos)
             (value_type,) = struct.unpack_from("<I", buf, pos)
             pos += 4
-            entry, pos = self._skip_value(value_type, pos)
+            try:
+                entry, pos = self._skip_value(value_type, pos)
+            except (struct.error, ValueError, OverflowError) as e:
+                raise ValueError(f"key {key}: {e}") from None
+            if key in self._entries:        # as llama.cpp's gguf_init: which one would be meant?
+                raise UserError(f"{self.path}: key {key} appears twice in the GGUF")
             self._entries[key] = entry
         tensors = []
         for _ in range(n_tensors):
@@ -122,6 +127,30 @@ class GGUFFile:
         data_start = -(-pos // alignment) * alignment
         self.tensors = [self._tensor(name, raw_type, shape, data_start + offset)
                         for name, raw_type, shape, offset in tensors]
+        seen = set()
+        for tensor in self.tensors:       # as llama.cpp's gguf_init: which one would be meant?
+            if tensor.name in seen:
+                raise UserError(f"{self.path}: tensor {tensor.name} appears twice in the tensor table")
+            seen.add(tensor.name)
+
+    def check_tensors(self):
+        """Every tensor whole blocks per row and inside the file, from the table alone, before
+        any data is looked at (sizes in Python integers, which a crafted shape cannot
+        overflow). Not done on opening: a tokenizer can be read from a file cut after its
+        tables."""
+        from gguf import GGML_QUANT_SIZES
+        for tensor in self.tensors:
+            block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+            row = tensor.shape[0] if tensor.shape else 1
+            if row % block:
+                raise UserError(f"{self.path}: tensor {tensor.name} has rows of {row} values, not whole "
+                                f"{tensor.tensor_type.name} blocks of {block}")
+            n_elements = 1
+            for d in tensor.shape:
+                n_elements *= d
+            if tensor.data_offset + n_elements // block * block_bytes > len(self._buf):
+                raise UserError(f"{self.path}: tensor {tensor.name} ({' x '.join(map(str, tensor.shape[::-1]))} "
+                                f"{tensor.tensor_type.name}) runs past the end of the file")
 
     def _tensor(self, name, raw_type, shape, offset):
         from gguf import GGMLQuantizationType
@@ -224,7 +253,9 @@ class GGUFFile:
         from gguf.quants import quant_shape_to_byte_shape
         if self._array is None:
             self._array = np.frombuffer(self._buf, dtype=np.uint8)
-        n_elements = int(np.prod(tensor.shape, dtype=np.int64))
+        n_elements = 1
+        for d in tensor.shape:            # Python integers: a crafted shape cannot overflow them
+            n_elements *= d
         np_shape = tuple(reversed(tensor.shape))
         type_name = tensor.tensor_type.name
         block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]

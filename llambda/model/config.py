@@ -56,21 +56,34 @@ class ModelConfig:
                             f"(llambda runs: {', '.join(SUPPORTED_ARCHITECTURES)})")
         a = architectures.get(name)
         key = _Reader(metadata, name)
-        dim = key.integer("embedding_length")
-        n_head = key.integer("attention.head_count")
-        n_kv_head = key.integer("attention.head_count_kv", default=n_head)
-        n_head_checked = max(n_head, 1)
-        head_dim = key.integer("attention.key_length", default=dim // n_head_checked)
+        dim = key.integer("embedding_length", minimum=1)
+        n_head = key.integer("attention.head_count", minimum=1)
+        n_kv_head = key.integer("attention.head_count_kv", default=n_head, minimum=1)
+        if n_head % n_kv_head:
+            raise UserError(f"GGUF metadata {name}.attention.head_count = {n_head} query heads do not split "
+                            f"into {name}.attention.head_count_kv = {n_kv_head} key/value heads")
+        if f"{name}.attention.key_length" not in metadata and dim % n_head:
+            raise UserError(f"GGUF metadata {name}.attention.head_count = {n_head} does not divide "
+                            f"{name}.embedding_length = {dim} (and no attention.key_length gives the head size)")
+        head_dim = key.integer("attention.key_length", default=dim // n_head, minimum=1)
         value_dim = key.integer("attention.value_length", default=head_dim)
         if value_dim != head_dim:
             raise UserError(f"GGUF metadata {name}.attention.value_length = {value_dim} differs from the "
                             f"key length {head_dim}; llambda needs them equal")
-        n_layer = key.integer("block_count")
-        n_ctx_train = key.integer("context_length")
-        rope_base = key.number("rope.freq_base", default=10000.0)
+        n_layer = key.integer("block_count", minimum=1)
+        n_ctx_train = key.integer("context_length", minimum=0)
+        rope_base = key.number("rope.freq_base", default=10000.0, positive=True)
+        rope_dim = key.integer("rope.dimension_count", default=head_dim, minimum=2)
+        if rope_dim > head_dim or rope_dim % 2:
+            raise UserError(f"GGUF metadata {name}.rope.dimension_count = {rope_dim} must be even and at most "
+                            f"the head size {head_dim}")
         scaling, freq_scale = _rope_scaling(key)
+        rope_orig_ctx = key.integer("rope.scaling.original_context_length", default=n_ctx_train, minimum=0)
+        if scaling in ("yarn", "longrope") and rope_orig_ctx < 1:
+            raise UserError(f"GGUF metadata {name}.rope.scaling.original_context_length = {rope_orig_ctx}: "
+                            f"{scaling} RoPE scaling needs the context it stretches from")
         windows = _layer_windows(a, key, n_layer)
-        local_base = key.number("rope.freq_base_swa", default=a.local_rope_base)
+        local_base = key.number("rope.freq_base_swa", default=a.local_rope_base, positive=True)
         vocab_size = embedding_rows if embedding_rows is not None else \
             key.integer("vocab_size", default=_token_count(metadata))
         config = cls(
@@ -80,24 +93,24 @@ class ModelConfig:
             n_head=n_head,
             n_kv_head=n_kv_head,
             head_dim=head_dim,
-            ffn_dim=key.integer("feed_forward_length"),
+            ffn_dim=key.integer("feed_forward_length", minimum=1),
             vocab_size=vocab_size,
             n_ctx_train=n_ctx_train,
-            rms_eps=key.number("attention.layer_norm_rms_epsilon"),
+            rms_eps=key.number("attention.layer_norm_rms_epsilon", positive=True),
             rope_base=rope_base,
             rope_style=a.rope_style,
-            rope_dim=key.integer("rope.dimension_count", default=head_dim),
+            rope_dim=rope_dim,
             tied_embeddings=bool(tied_embeddings),
             rope_scaling=scaling,
-            rope_orig_ctx=key.integer("rope.scaling.original_context_length", default=n_ctx_train),
-            rope_attn_factor=key.number("rope.scaling.attn_factor", default=1.0),
+            rope_orig_ctx=rope_orig_ctx,
+            rope_attn_factor=key.number("rope.scaling.attn_factor", default=1.0, positive=True),
             layer_window=windows,
             # Local (sliding-window) layers rotate with their own base and no scaling.
             layer_rope_base=tuple(local_base if w else rope_base for w in windows),
             layer_rope_scale=tuple(1.0 if w else freq_scale for w in windows),
             embed_scale=float(math.sqrt(dim)) if a.embed_scale_sqrt_dim else 1.0,
-            att_scale=a.attention_scale(dim, n_head_checked, max(head_dim, 1), n_layer),
-            logit_softcap=key.number("final_logit_softcapping", default=0.0),
+            att_scale=a.attention_scale(dim, n_head, head_dim, n_layer),
+            logit_softcap=key.number("final_logit_softcapping", default=0.0, minimum=0.0),
         )
         config.check()
         return config
@@ -163,11 +176,12 @@ def _rope_scaling(key):
     if scaling not in ROPE_SCALINGS:
         raise UserError(f"GGUF metadata {key.arch}.rope.scaling.type = {scaling!r}: llambda applies "
                         f"{', '.join(ROPE_SCALINGS)}")
-    factor = key.number("rope.scaling.factor", default=key.number("rope.scale_linear", default=0.0))
-    if factor < 0:
-        raise UserError(f"GGUF metadata {key.arch}.rope.scaling.factor = {factor} is negative")
+    factor = key.number("rope.scaling.factor", default=key.number("rope.scale_linear", default=0.0, minimum=0.0),
+                        minimum=0.0)
     if scaling == "none" or factor in (0.0, 1.0):     # a factor of 1 changes nothing, yarn included
         return "none", 1.0
+    if not math.isfinite(1.0 / factor):
+        raise UserError(f"GGUF metadata {key.arch}.rope.scaling.factor = {factor} is too small to divide by")
     return scaling, 1.0 / factor
 
 
@@ -176,7 +190,13 @@ def _layer_windows(a, key, n_layer):
     in the metadata, layer l is local unless l % period == period - 1 (the period from
     attention.sliding_window_pattern, else the architecture's), or as a per-layer
     list when the pattern is one."""
-    window = key.integer("attention.sliding_window", default=0) if a.swa_period else 0
+    if not a.swa_period:
+        return (0,) * n_layer
+    # absent: no local layers; present, a window of no position would attend to nothing
+    window = key.integer("attention.sliding_window", default=0)
+    if f"{key.arch}.attention.sliding_window" in key.metadata and window < 1:
+        raise UserError(f"GGUF metadata {key.arch}.attention.sliding_window = {window}: a sliding window "
+                        "must hold at least 1 position")
     if window <= 0:
         return (0,) * n_layer
     pattern = key.raw("attention.sliding_window_pattern", default=a.swa_period)
@@ -213,17 +233,28 @@ class _Reader:
     def raw(self, name, default=None):
         return self._get(name, default)[1]
 
-    def integer(self, name, default=None):
+    def integer(self, name, default=None, minimum=None):
         key, value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"GGUF metadata {key} = {value!r} is not an integer")
+        if minimum is not None and value < minimum:
+            raise UserError(f"GGUF metadata {key} = {value} must be at least {minimum}")
         return value
 
-    def number(self, name, default=None):
+    def number(self, name, default=None, positive=False, minimum=None):
+        """A finite number (NaN and infinities are refused: they reach the model's tables);
+        ``positive``: > 0; ``minimum``: at least that."""
         key, value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"GGUF metadata {key} = {value!r} is not a number")
-        return float(value)
+        value = float(value)
+        if not math.isfinite(value):
+            raise UserError(f"GGUF metadata {key} = {value} is not a finite number")
+        if positive and not value > 0:
+            raise UserError(f"GGUF metadata {key} = {value} must be positive")
+        if minimum is not None and value < minimum:
+            raise UserError(f"GGUF metadata {key} = {value} must be at least {minimum}")
+        return value
 
     def string(self, name, default=None):
         key, value = self._get(name, default)

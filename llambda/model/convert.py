@@ -37,6 +37,7 @@ from llambda.tokenizer import arrays as tokenizer_arrays
 from llambda.model.arch import LM_HEAD, MODEL_TENSORS, ROPE_FACTOR_TENSORS
 from llambda.model.config import ModelConfig
 from llambda.errors import UserError
+from llambda.gguf import blocks
 from llambda.gguf.reader import GGUFFile
 from llambda.inputs import is_count
 
@@ -54,21 +55,25 @@ def convert(gguf_path, out_path=None, progress=True):
     if out_path.resolve() == gguf_path.resolve():
         raise UserError(f"{out_path}: the output would overwrite the GGUF it is converted from")
     gguf_file = _read_gguf(gguf_path)
-    # The tensor table first: a file llambda cannot load is refused before its
-    # vocabulary (hundreds of thousands of strings) is decoded.
-    gguf_tensors = {t.name: t for t in gguf_file.tensors}
-    _check_tensor_types(gguf_tensors)
-    gguf_metadata = gguf_file.metadata()
-    _check_layer_count(gguf_metadata, gguf_tensors)
-    embedding = gguf_tensors.get("token_embd.weight")
-    config = ModelConfig.from_gguf_metadata(
-        gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
-        embedding_rows=_shape_nk(embedding)[0] if embedding is not None else None)
-    _check_vocabulary(config, gguf_metadata)
-    tensors = _split_fused(config, gguf_tensors)
-    _check_tensors(config, tensors)
+    try:
+        # The tensor table first: a file llambda cannot load is refused before its
+        # vocabulary (hundreds of thousands of strings) is decoded.
+        gguf_file.check_tensors()
+        gguf_tensors = {t.name: t for t in gguf_file.tensors}
+        _check_tensor_types(gguf_tensors)
+        gguf_metadata = gguf_file.metadata()
+        _check_layer_count(gguf_metadata, gguf_tensors)
+        embedding = gguf_tensors.get("token_embd.weight")
+        config = ModelConfig.from_gguf_metadata(
+            gguf_metadata, tied_embeddings=LM_HEAD not in gguf_tensors,
+            embedding_rows=_shape_nk(embedding)[0] if embedding is not None else None)
+        _check_vocabulary(config, gguf_metadata)
+        tensors = _split_fused(config, gguf_tensors)
+        _check_tensors(config, tensors)
 
-    arrays, vectors, packed = _repack(tensors, progress)
+        arrays, vectors, packed = _repack(tensors, progress)
+    except UserError as e:          # one line that names the file at fault
+        raise _naming(gguf_path, e) from None
     tokenizer_md, tokenizer_lists = tokenizer_arrays.split(
         {k: v for k, v in gguf_metadata.items() if k.startswith("tokenizer.")})
     arrays.update(tokenizer_lists)
@@ -91,6 +96,11 @@ def convert(gguf_path, out_path=None, progress=True):
         raise UserError(f"{out_path}: cannot write ({e.strerror or e}){_cache_hint(out_path)}") from None
     integrity.record_verified(written)     # its checksums were computed from these very arrays
     return written
+
+
+def _naming(path, error):
+    """``error`` with the file's name in front, unless it names it already."""
+    return error if str(path) in str(error) else UserError(f"{path}: {error}")
 
 
 def _check_loadable(written, gguf_path):
@@ -233,6 +243,12 @@ def _check_shapes(config, shapes, source):
         expected[LM_HEAD] = (config.vocab_size, config.dim)
     if a.rope_factors:
         optional.update({name: (config.rope_dim // 2,) for name in ROPE_FACTOR_TENSORS})
+    # An optional part (a bias, a norm) some layers have and others lack is a missing tensor
+    for name in sorted(optional, key=_natural_key):
+        part = re.sub(r"^blk\.\d+\.", "", name)
+        if name not in shapes and name != part and any(
+                f"blk.{i}.{part}" in shapes for i in range(config.n_layer)):
+            expected[name] = optional.pop(name)
     missing = [name for name in expected if name not in shapes]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -309,6 +325,10 @@ def _pack_matrix(name, tensor, n, k, kind=None):
     if type_name not in supported:
         raise UserError(f"tensor {name} has type {type_name}, which llambda cannot load "
                         f"(supported: {', '.join(supported)})")
+    bad = blocks.first_bad_scale(type_name, tensor.data)
+    if bad is not None:
+        raise UserError(f"tensor {name} ({type_name}, {n} x {k}): block {bad[0]} has the scale {bad[1]}, "
+                        "which is not finite (the file is damaged)")
     try:
         return layouts.pack(type_name, tensor.data, n, k, kind=kind)
     except ValueError as e:
@@ -358,14 +378,29 @@ def ensure_converted(path, progress=True):
     if kind != "gguf":
         raise UserError(f"{path}: neither a GGUF nor a llambda model file")
     target = paths.cache_dir() / "converted" / f"{path.stem}-{_cache_key(path)}{SUFFIX}"
-    if target.exists():
+    damage = _damage(target) if target.exists() else "missing"
+    if damage is None:
         return target
     paths.cache_subdir("converted")
-    if progress:
+    if damage != "missing":         # the cache is llambda's own: a damaged entry is made again
+        print(f"llambda: the cached conversion {target} is damaged ({damage}); converting {path} again",
+              file=sys.stderr)
+    elif progress:
         print(f"llambda: converting {path} on first use (cached as {target})", file=sys.stderr)
     written = convert(path, target, progress=progress)
     _remove_superseded(path, written, progress)
     return written
+
+
+def _damage(cached):
+    """Why the cached conversion ``cached`` cannot be used (edited, cut, written over since it
+    was converted), or None: its header opens and its checksums match (read once per
+    machine and file identity, as every load does: llambda/model/integrity.py)."""
+    try:
+        integrity.verify_once(weightfile.open_weights(cached))
+    except (UserError, weightfile.WeightFileError) as e:
+        return " ".join(str(e).removeprefix(f"{cached}: ").split())[:200]
+    return None
 
 
 CACHE_KEY_HEX = 16                   # hex digits of a conversion's cache key (its file name's tail)

@@ -287,9 +287,14 @@ class Model:
         if kinds is not None and constraint is not None:
             raise UserError("give a constraint keyword (json_schema=, ...) or constraint=, not both")
         constraint = constraint or kinds
-        return self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, on_event=on_event, constraint=constraint,
-                                  stop_token_ids=stop_token_ids, min_tokens=min_tokens, after=after)
+        completion = self.engine.submit(ids, sampler, max_tokens, stops=list(stop), ignore_eos=ignore_eos,
+                                        logprobs=logprobs, on_event=on_event, constraint=constraint,
+                                        stop_token_ids=stop_token_ids, min_tokens=min_tokens, after=after)
+        # A reply keeps its Model alive (llambda.load(p).generate(...) is read to its end, not
+        # cut off when the Model, held by nothing else, is collected and closes); once the reply
+        # is done and dropped, so is this hold.
+        completion.model = self
+        return completion
 
     def _check_stop_token_ids(self, ids):
         """submit's stop_token_ids as a list of ids the model may produce."""

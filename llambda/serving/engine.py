@@ -563,10 +563,10 @@ class Engine:
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
             calls, self._calls = list(self._calls), collections.deque()
-        for c in waiting:
-            c._finish("cancelled", "closed")
+        for c in waiting:           # with the error: a reader learns why the reply stopped short
+            c._finish("cancelled", "closed", error)
         for c in list(self._running):
-            self._end(c, "cancelled", "closed")
+            self._end(c, "cancelled", "closed", error)
         for _, box, done in calls:
             box["error"] = error
             done.set()

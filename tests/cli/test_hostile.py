@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -378,7 +379,8 @@ def test_cache_directory_errors_name_it_and_the_variable(tiny_gguf, tmp_path, mo
 
 def test_stop_is_a_string_not_its_characters(tiny_model, monkeypatch):
     seen = []
-    monkeypatch.setattr(tiny_model.engine, "submit", lambda ids, sampler, n, stops, **k: seen.append(stops))
+    monkeypatch.setattr(tiny_model.engine, "submit",
+                        lambda ids, sampler, n, stops, **k: seen.append(stops) or SimpleNamespace())
     tiny_model.generate("x", stop="is")
     tiny_model.generate("x", stop=["is", "Par"])
     tiny_model.generate("x", stop=None)

@@ -215,11 +215,32 @@ def run_level(port, model, streams, max_tokens, round_index, constrained="none")
     return wall, outs
 
 
+ENGINE_TOTALS = {"llambda_engine_steps_total": "steps", "llambda_engine_step_seconds_total": "step_s",
+                 "llambda_constraint_seconds_total": "constraint_s"}
+
+
+def engine_totals(port):
+    """llambda serve's step count, time in steps and time spent on grammars (its /metrics)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    totals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_TOTALS:
+            totals[ENGINE_TOTALS[name]] = float(value)
+    return totals
+
+
 def measure(server, model, streams_list, max_tokens, repeats, constrained="none"):
     one_stream(server.port, model, prompt_text(-1), 8, {}, stream_schema(constrained, 0))     # warm-up
     rows = []
     for streams in streams_list:
         rates, ttfts = [], []
+        before = engine_totals(server.port) if server.name == "llambda" else None
         for r in range(repeats):
             wall, outs = run_level(server.port, model, streams, max_tokens, r * 1000 + streams, constrained)
             rates.append(sum(o["tokens"] for o in outs) / wall)
@@ -228,6 +249,12 @@ def measure(server, model, streams_list, max_tokens, repeats, constrained="none"
                          tok_s_min=min(rates), tok_s_max=max(rates),
                          ttft_p50_s=float(np.percentile(ttfts, 50)), ttft_p95_s=float(np.percentile(ttfts, 95)),
                          requests=len(ttfts), constrained=constrained))
+        if before is not None:       # what a step cost, and the grammars' share of it
+            after = engine_totals(server.port)
+            steps = max(after["steps"] - before["steps"], 1)
+            step_s = after["step_s"] - before["step_s"]
+            rows[-1].update(step_ms=step_s / steps * 1000,
+                            constraint_ms=(after["constraint_s"] - before["constraint_s"]) / steps * 1000)
         print(f"[bench --serve] {server.name:12} {streams:2} streams: {rows[-1]['tok_s']:7.1f} tok/s, "
               f"TTFT p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
     return rows
@@ -240,12 +267,14 @@ def markdown(rows, threads, parallel, max_tokens, constrained="none"):
             "half": f"every other stream a json_schema chat reply, up to {max_tokens} tokens"}[constrained]
     out = [f"threads {threads}, {parallel} slots, {what}, greedy, distinct prompts. "
            + PAGE_CACHE_NOTE, "",
-           "| engine | streams | aggregate tok/s | per stream tok/s | TTFT p50 | TTFT p95 |",
-           "|---|---:|---:|---:|---:|---:|"]
+           "| engine | streams | aggregate tok/s | per stream tok/s | TTFT p50 | TTFT p95 | step | grammars in a step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        step = f"{r['step_ms']:.2f} ms" if "step_ms" in r else "—"
+        grammar = f"{r['constraint_ms']:.3f} ms ({r['constraint_ms'] / r['step_ms']:.1%})" if r.get("step_ms") else "—"
         out.append(f"| {r['engine']} | {r['streams']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f})"
                    f" | {r['tok_s'] / r['streams']:.1f} | {r['ttft_p50_s'] * 1000:.0f} ms"
-                   f" | {r['ttft_p95_s'] * 1000:.0f} ms |")
+                   f" | {r['ttft_p95_s'] * 1000:.0f} ms | {step} | {grammar} |")
     return "\n".join(out)
 
 

@@ -22,6 +22,9 @@ COUNTERS = (      # prometheus_client appends _total
     ("generated_tokens", "llambda_generated_tokens", "Tokens generated"),
     ("cached_tokens", "llambda_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
     ("steps", "llambda_engine_steps", "Engine steps (batched plan runs)"),
+    ("step_seconds", "llambda_engine_step_seconds", "Time in engine steps: plan runs, sampling, detokenizing"),
+    ("constraint_seconds", "llambda_constraint_seconds",
+     "Time in steps spent on grammars: token masks, applying them, advancing matchers"),
 )
 
 

@@ -60,6 +60,8 @@ class Counters:
     generated_tokens: int = 0
     cached_tokens: int = 0            # prompt tokens served from the prefix cache
     steps: int = 0
+    step_seconds: float = 0.0         # in steps: the plan runs, sampling, detokenizing
+    constraint_seconds: float = 0.0   # of which grammars: masks, their application, advancing
 
 
 class Completion:
@@ -376,6 +378,13 @@ class Engine:
 
     def _step(self):
         """One plan run: every generating sequence's next token, then a chunk of one prompt."""
+        t0 = time.perf_counter()
+        try:
+            self._run_step()
+        finally:
+            self.counters.step_seconds += time.perf_counter() - t0
+
+    def _run_step(self):
         net = self.net
         rows = [(c, c.computed, 1) for c in self._running if c.computed == len(c.tokens) - 1]
         budget = net.max_batch - len(rows)
@@ -431,7 +440,7 @@ class Engine:
             return
         if logits.size > self.n_vocab:         # padding rows of the LM head: never drawn
             logits[self.n_vocab:] = -np.inf
-        if c.constraint is not None and not self._constrain(c, logits):
+        if c.constraint is not None and not self._timed(self._constrain, c, logits):
             return                             # it ended, or its grammar forces the next tokens
         if c.completion_tokens < c.min_tokens:
             self._hold_back_end(c, logits)
@@ -500,10 +509,12 @@ class Engine:
         constrained = [c.constraint for c in head if c.constraint is not None]
         if not constrained:
             return
+        t0 = time.perf_counter()
         if self._masks is None:
             from llambda.serving.constraints import MaskBatch
             self._masks = MaskBatch(self.net.max_seqs, self.n_vocab)
         self._masks.fill(constrained)
+        self.counters.constraint_seconds += time.perf_counter() - t0
 
     def _constrain(self, c, logits):
         """Before sampling ``c``: ban what its grammar refuses in ``logits`` (True: sample).
@@ -530,11 +541,19 @@ class Engine:
             return False
         return True
 
+    def _timed(self, fn, *args):
+        """``fn(*args)``, its time counted as constraint work."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.counters.constraint_seconds += time.perf_counter() - t0
+
     def _consume(self, c, token):
         """Advance ``c``'s grammar over a generated token; end ``c`` when the grammar is complete
         or refuses it. True while ``c`` goes on."""
         try:
-            c.constraint.consume(token)
+            self._timed(c.constraint.consume, token)
             complete = c.constraint.stopped
         except Exception as error:                # ConstraintFailed, or llguidance's own
             self._end(c, "error", "error", error if isinstance(error, UserError) else c.constraint.failed(error))
@@ -550,7 +569,7 @@ class Engine:
         they are certain."""
         if tokens is None:
             try:
-                tokens = c.constraint.forced()
+                tokens = self._timed(c.constraint.forced)
             except Exception as error:
                 self._end(c, "error", "error", c.constraint.failed(error))
                 return

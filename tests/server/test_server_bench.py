@@ -50,3 +50,11 @@ def test_bench_serve_refuses_an_unknown_constraint_mode():
     from llambda.errors import UserError
     with pytest.raises(UserError, match="--constrained"):
         bench_serve.run(None, constrained="xml")
+
+
+def test_bench_serve_reports_the_grammars_share_of_a_step(default_gguf, capsys):
+    report = bench_serve.run(str(default_gguf), threads=1, streams=(2,), max_tokens=6, n_ctx=512, repeats=1,
+                             engines=("llambda",), constrained="json_schema")
+    [row] = report["rows"]
+    assert row["step_ms"] > 0 and 0 < row["constraint_ms"] < row["step_ms"]
+    assert "grammars in a step" in capsys.readouterr().out

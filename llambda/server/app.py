@@ -306,6 +306,10 @@ def create_app(model, model_id, aliases=(), served=None, *, api_keys=(), metrics
     from .embeddings import router as embeddings_router
     app.include_router(embeddings_router)             # /v1/embeddings (embeddings.py)
     app.include_router(utility_routes.router)        # /tokenize, /detokenize, /apply-template
+    from .responses import router as responses_router
+    app.include_router(responses_router)              # /v1/responses (responses.py)
+    from .anthropic_messages import router as anthropic_router
+    app.include_router(anthropic_router)              # /v1/messages[/count_tokens] (anthropic_messages.py)
 
     @app.get("/", include_in_schema=False)
     async def chat_page():

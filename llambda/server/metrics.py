@@ -42,6 +42,15 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], stats[key])
             yield c
+        # vLLM's names for the same gauges, which routers and dashboards made for vLLM read
+        used = stats["kv_blocks_in_use"] / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0
+        for name, value, doc in (
+                ("vllm:num_requests_running", stats["requests_running"], "Requests running (llambda_requests_running)"),
+                ("vllm:num_requests_waiting", stats["requests_waiting"], "Requests waiting (llambda_requests_waiting)"),
+                ("vllm:kv_cache_usage_perc", used, "KV-cache usage, 1 is full (llambda_kv_blocks_in_use / _total)")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
 
 
 class Metrics:

@@ -177,6 +177,10 @@ def test_metrics_names(server):
                  "llambda_kv_blocks_in_use", "llambda_kv_blocks_total"):
         assert name in m, name
     assert m["llambda_generated_tokens_total"] > 0
+    # vLLM's names beside ours, for routers and dashboards made for vLLM
+    assert m["vllm:num_requests_running"] == m["llambda_requests_running"]
+    assert m["vllm:num_requests_waiting"] == m["llambda_requests_waiting"]
+    assert m["vllm:kv_cache_usage_perc"] == m["llambda_kv_blocks_in_use"] / m["llambda_kv_blocks_total"]
 
 
 def test_disconnect_cancels_and_frees_kv_blocks(long_server):

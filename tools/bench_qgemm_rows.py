@@ -40,6 +40,7 @@ def main(argv=None):
 
     from llambda.runtime import buffers, layouts, library
     from llambda.runtime.native import quant
+    from llambda.codegen.contract import block_multiple
     sys_path = os.path.dirname(os.path.abspath(__file__))
     import sys
     sys.path.insert(0, sys_path)
@@ -84,9 +85,10 @@ def main(argv=None):
                 for isa in isas:
                     calls = [quant.qgemm_call(qs, d, s, c, out, isa=isa) for c in copies]
                     arglists = [a for _, a in calls]
-                    # an empty call: the same symbol on 8 columns of one block
+                    # an empty call: the same symbol on 8 columns of one block (K-quants: of
+                    # one super-block; a kb of 1 would count their super-block loop from 0)
                     tiny = list(arglists[0])
-                    tiny[-4:] = [1, 1, 1, n]
+                    tiny[-4:] = [1, 1, block_multiple(w.kind) // 32, n]
                     runs.append((calls[0][0], arglists, tiny))
                 times = [[] for _ in variants]
                 for _ in range(args.rounds):

@@ -160,6 +160,11 @@ QUANT_ARRAYS = {
 # A kind listed here has kernels for the ISAs listed, and only those.
 QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8", "avx512": "16x16"}, "q3_k": {"avx2": "3x8", "avx512": "16x16"},
                     "q2_k": {"avx2": "3x8", "avx512": "16x16"}}
+# Kinds with a second AVX2 kernel for decode (m = 1): one activation row over a group pair, the
+# activation's per-block work done once for 16 columns (codegen/qgemm_k16.py, qgemm_kquant.py
+# "AVX2 decode"). Same bits as the kind's AVX2 tile; the binding picks it for one row.
+QGEMM_AVX2_DECODE_TILE = "1x16"
+QGEMM_AVX2_DECODE_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 
 
 def block_multiple(kind):

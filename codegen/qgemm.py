@@ -222,13 +222,15 @@ class Family:
 
 # --------------------------------------------------------------------------- driver (both ISAs)
 
-def emit_qgemm(kind, isa, family=None):
+def emit_qgemm(kind, isa, family=None, tiling=None, emit_tile=None):
     """The kernel of ``kind`` for ``isa`` on the tiles of ``family`` (default: this module's;
-    codegen/qgemm_kquant.py's walk super-blocks, codegen/qgemm_k16.py's add a third weight array)."""
+    codegen/qgemm_kquant.py's walk super-blocks, codegen/qgemm_k16.py's add a third weight array),
+    or on ``tiling`` with the tile emitter ``emit_tile`` (a family's second kernel, as the
+    AVX2 decode kernels of codegen/qgemm_k16.py)."""
     family = family or FAMILY
-    tiling = (family.kind_tilings or {}).get((kind.name, isa)) or family.tilings[isa]
+    tiling = tiling or (family.kind_tilings or {}).get((kind.name, isa)) or family.tilings[isa]
     open_function = function if isa == "avx2" else upper_zmm_function
-    emit_tile = family.tiles[isa]
+    emit_tile = emit_tile or family.tiles[isa]
     fn, args = open_function(qgemm_symbol(kind.name, tiling.name, isa), family.signature, isa)
     weight_args, (a_aq, a_ad, a_asum, a_out, a_m, a_n, a_kb, a_ldo) = (args[:len(family.weights)],
                                                                        args[len(family.weights):])
@@ -563,6 +565,35 @@ def store_tile_avx2(r, totals, ldo_bytes, name):
         VMASKMOVPS([r.spare], mask, total)
         if i + 1 < len(totals):
             ADD(r.spare, ldo_bytes)
+    LABEL(done)
+
+
+def store_pair_avx2(r, totals, name):
+    """One row of 16 outputs from two ymm (group g's 8, then group g + 1's) on AVX2 tiles of a
+    group pair: at the right edge the first keeps min(columns, 8) of them, the second the rest,
+    masked (a lone last group's second, a copy of the first, is not stored)."""
+    first, second = totals
+    partial, low_only, done = Label(f"{name}_partial"), Label(f"{name}_low"), Label(f"{name}_stored")
+    CMP(r.groups_left_cols, 2 * GROUP)
+    JB(partial)
+    VMOVUPS([r.out_row], first)
+    VMOVUPS([r.out_row + 32], second)
+    JMP(done)
+
+    LABEL(partial)
+    mask = YMMRegister()
+    CMP(r.groups_left_cols, GROUP)
+    JBE(low_only)
+    MOV(r.spare, r.groups_left_cols)
+    SUB(r.spare, GROUP)
+    tail_mask(mask, r.spare)
+    VMOVUPS([r.out_row], first)
+    VMASKMOVPS([r.out_row + 32], mask, second)
+    JMP(done)
+
+    LABEL(low_only)
+    tail_mask(mask, r.groups_left_cols)
+    VMASKMOVPS([r.out_row], mask, first)
     LABEL(done)
 
 

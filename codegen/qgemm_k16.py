@@ -2,6 +2,7 @@
 
     llb_qgemm_<kind>_q8_<R>x8__avx2(wq, wsc, wd, aq, ad, asum, out, m, n, kb, ldo)
     llb_qgemm_<kind>_q8_16x16__avx512(...)       same arguments, same weight layout
+    llb_qgemm_<kind>_q8_1x16__avx2(...)          the AVX2 decode kernel (see "AVX2 decode")
 
 The weight arrays are runtime/layout_kquant16.py's (``QUANT_ARRAYS[kind]``:
 quant planes and sub-block scales per 32-weight block, f16 scales per
@@ -215,31 +216,31 @@ def unpack_scales(r, kind, consts):
     return unpacked
 
 
-def gather_planes(r, mask, base, shift):
-    """The bits ``mask`` keeps of the three planes at ``base`` (bytes into the block), plane p
-    shifted right by (3 - p) * ``shift``, OR-ed into one register: the chunk(s) whose bits the
-    planes share."""
+def gather_planes(wq, mask, base, shift):
+    """The bits ``mask`` keeps of the three planes at ``base`` (bytes into the block at ``wq``),
+    plane p shifted right by (3 - p) * ``shift``, OR-ed into one register: the chunk(s) whose
+    bits the planes share."""
     gathered, part = YMMRegister(), YMMRegister()
     for p in range(3):
-        masked_load(gathered if p == 0 else part, mask, r.wq + base + 32 * p)
+        masked_load(gathered if p == 0 else part, mask, wq + base + 32 * p)
         if p > 0:
             VPOR(gathered, gathered, part)
         VPSRLW(gathered, gathered, shift)
     return gathered
 
 
-def chunks_q6_k(r, consts, half):
-    """Yield the 4 chunks of sub-block ``half`` (registers of 32 unsigned bytes), the last one first:
-    its bits lie in the top 2 bits of the three planes."""
+def chunks_q6_k(wq, consts, half):
+    """Yield the 4 chunks of sub-block ``half`` of the block at ``wq`` (registers of 32 unsigned
+    bytes), the last one first: its bits lie in the top 2 bits of the three planes."""
     base = 96 * half
-    yield gather_planes(r, consts.top2, base, 2)
+    yield gather_planes(wq, consts.top2, base, 2)
     for p in range(3):
         chunk = YMMRegister()
-        masked_load(chunk, consts.low6, r.wq + base + 32 * p)
+        masked_load(chunk, consts.low6, wq + base + 32 * p)
         yield chunk
 
 
-def chunks_q3_k(r, consts, half):
+def chunks_q3_k(wq, consts, half):
     """Planes 0 and 1 hold chunks 0-3 (low and high nibble, 3 bits each); plane 2 chunks 4 and 5;
     bits 3 and 7 of the three planes, gathered, chunks 6 and 7."""
     if half == 0:
@@ -248,15 +249,15 @@ def chunks_q3_k(r, consts, half):
         planes = (2,)
     for p in planes:
         chunk = YMMRegister()
-        masked_load(chunk, consts.low3, r.wq + 32 * p)
+        masked_load(chunk, consts.low3, wq + 32 * p)
         yield chunk
         chunk = YMMRegister()
-        VMOVDQA(chunk, [r.wq + 32 * p])
+        VMOVDQA(chunk, [wq + 32 * p])
         VPSRLW(chunk, chunk, 4)
         masked(chunk, consts.low3)
         yield chunk
     if half == 1:
-        gathered = gather_planes(r, consts.bits37, 0, 1)
+        gathered = gather_planes(wq, consts.bits37, 0, 1)
         chunk = YMMRegister()
         VPAND(chunk, gathered, consts.low3)
         yield chunk
@@ -265,14 +266,14 @@ def chunks_q3_k(r, consts, half):
         yield gathered
 
 
-def chunks_q2_k(r, consts, half):
+def chunks_q2_k(wq, consts, half):
     """Plane ``half`` holds its 4 chunks in bits 2j..2j+1."""
     for j in range(4):
         chunk = YMMRegister()
         if j == 0:
-            masked_load(chunk, consts.low2, r.wq + 32 * half)
+            masked_load(chunk, consts.low2, wq + 32 * half)
         else:
-            VMOVDQA(chunk, [r.wq + 32 * half])
+            VMOVDQA(chunk, [wq + 32 * half])
             VPSRLW(chunk, chunk, 2 * j)
             masked(chunk, consts.low2)
         yield chunk
@@ -291,7 +292,7 @@ def emit_block(r, kind, consts, totals):
     mins = [None] * rows            # Q2_K: int32 sum of m_h * (activation sub-block sums)
     sums = [[YMMRegister() for _ in range(rows)] for _ in range(2)]     # int16, per sub-block and row
     for half in range(2):
-        for c, chunk in enumerate(CHUNKS[kind.name](r, consts, half)):
+        for c, chunk in enumerate(CHUNKS[kind.name](r.wq, consts, half)):
             index = chunk_index(kind, half, c)
             for i in range(rows):
                 bcast, product = YMMRegister(), YMMRegister()
@@ -363,6 +364,102 @@ def emit_block_scale(r, kind, blocks, mins, totals):
         VBROADCASTSS(factor, scales(i))
         VMULPS(factor, factor, d_w)
         VFNMADD231PS(total, mins[i], factor)
+
+
+# --------------------------------------------------------------------------- AVX2 decode (1 x 16)
+#
+# A decode step (m = 1) reads every weight once, and a block of these kinds carries few quant
+# bytes (64 to 192 for 8 rows), so the work a 3x8 tile does per block and activation row
+# weighs: broadcasting the 8 activation chunks, the activation sums and their lane split, the
+# activation scale. The decode kernel's tile takes one activation row over a group PAIR (16
+# columns, the AVX-512 driver's pairing on ymm): that work is done once for both groups, the
+# quant and scale work once per group. Each group's block gets the 3x8 tile's integer sums
+# and f32 operations (d * d_a, then the FMA; Q2_K's min pair), so every output has the bits
+# the 3x8 and AVX-512 tiles give it. A lone last group pairs with itself and stores 8 columns.
+
+DECODE_TILING = qgemm.Tiling(full=(1,), groups=2, remainders=(), exact=True)
+
+
+def emit_pair_tile(r, kind, rows, ldo_bytes, name):
+    """out[1 x 16] of the current group pair and activation row; leaves the pointers where it found them."""
+    assert rows == 1
+    consts = TileConstants(kind, 2)           # register needs of two 8-column rows
+    totals = [YMMRegister() for _ in range(2)]
+    for total in totals:
+        VXORPS(total, total, total)
+    qgemm.count_blocks(r)
+    with Loop() as blocks:
+        qgemm.prefetch_quants(r, kind, pair=True)
+        emit_pair_block(r, kind, consts, totals)
+        advance_block(r, kind)
+        TEST(r.blocks_left, r.blocks_left)
+        JNZ(blocks.begin)
+    qgemm.rewind_blocks(r, kind)
+    qgemm.store_pair_avx2(r, totals, name)
+
+
+def emit_pair_block(r, kind, consts, totals):
+    """totals[g] += the block's contribution for group g of the pair (emit_block's, one row)."""
+    quants = (r.wq, r.wq + r.pair_quants * 1)
+    sums = [[YMMRegister() for _ in range(2)] for _ in range(2)]        # [group][half], int16
+    for half in range(2):
+        sources = [CHUNKS[kind.name](wq, consts, half) for wq in quants]
+        for c, chunks in enumerate(zip(*sources)):
+            index = chunk_index(kind, half, c)
+            bcast = YMMRegister()
+            VPBROADCASTD(bcast, [r.act + CHUNK * index])
+            for g, chunk in enumerate(chunks):
+                if c == 0:
+                    VPMADDUBSW(sums[g][half], chunk, bcast)
+                else:
+                    VPMADDUBSW(chunk, chunk, bcast)
+                    VPADDW(sums[g][half], sums[g][half], chunk)
+    both = activation_sums([r.act], consts.offset)
+    halves = [YMMRegister() for _ in range(2)]
+    for half, activation in enumerate(halves):
+        VPERM2I128(activation, both, both, 0x11 * half)      # sub-block half's, in both lanes
+    blocks, mins = [None, None], [None, None]
+    for g, wscale in enumerate((r.wscale, r.wscale + r.pair_scales * 1)):
+        # unpack_scales' pairs, spread one sub-block at a time (into registers, not the frame)
+        pairs = YMMRegister()
+        if kind.signed_scales:
+            VPMOVSXBW(pairs, [wscale])
+        else:
+            VPMOVZXBW(pairs, [wscale])
+            minima = YMMRegister()
+            VPSRLW(minima, pairs, 4)
+            masked(pairs, consts.nibble)
+        for half, (activation, pattern) in enumerate(zip(halves, (FIRST_HALF, SECOND_HALF))):
+            spread = YMMRegister()
+            VPSHUFB(spread, pairs, pattern)
+            if kind.offset:
+                VPSUBW(sums[g][half], sums[g][half], activation)
+            blocks[g] = accumulate_scaled(blocks[g], sums[g][half], spread)
+            if kind.has_min:
+                product = YMMRegister()
+                VPSHUFB(spread, minima, pattern)
+                VPMADDWD(product, activation, spread)
+                if mins[g] is None:
+                    mins[g] = product
+                else:
+                    VPADDD(mins[g], mins[g], product)
+    # the 3x8 tile's f32 operations per group (emit_block_scale), the activation scale broadcast once
+    pair_super_offset(r, kind)
+    d_a, factor, d_w = YMMRegister(), YMMRegister(), YMMRegister()
+    VBROADCASTSS(d_a, [r.act_scale])
+    supers = ([r.wd], [r.wd + r.spare * 1])
+    for g, total in enumerate(totals):
+        VCVTPH2PS(d_w, supers[g])
+        VCVTDQ2PS(blocks[g], blocks[g])
+        VMULPS(factor, d_a, d_w)
+        VFMADD231PS(total, blocks[g], factor)
+    if not kind.has_min:
+        return
+    for g, total in enumerate(totals):
+        VCVTPH2PS(d_w, [supers[g][0] + GROUP * 2])
+        VCVTDQ2PS(mins[g], mins[g])
+        VMULPS(factor, d_a, d_w)
+        VFNMADD231PS(total, mins[g], factor)
 
 
 # --------------------------------------------------------------------------- AVX-512 (VNNI)
@@ -612,4 +709,7 @@ def family(kind):
 
 
 def emit(isa):
-    return [qgemm.emit_qgemm(kind, isa, family(kind)) for kind in KINDS]
+    kernels = [qgemm.emit_qgemm(kind, isa, family(kind)) for kind in KINDS]
+    if isa == "avx2":
+        kernels += [qgemm.emit_qgemm(kind, isa, family(kind), DECODE_TILING, emit_pair_tile) for kind in KINDS]
+    return kernels

@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import cpu, library
 from .. import validate as v
-from ...codegen.contract import BLOCK, GROUP, QGEMM_KIND_TILES, QUANT_ARRAYS, block_multiple, qgemm_symbol
+from ...codegen.contract import (BLOCK, GROUP, QGEMM_AVX2_DECODE_KINDS, QGEMM_AVX2_DECODE_TILE, QGEMM_KIND_TILES,
+                                 QUANT_ARRAYS, block_multiple, qgemm_symbol)
 from ..kinds import quantized_kinds
 from ..layouts import PackedWeight
 from ._lib import index_range, kernel
@@ -177,7 +178,10 @@ def qgemm_calls(qs, d, s, w, out, ranges, *, isa=None):
     weight_arrays = _check_weight(w, k)
     v.array("out", out, np.float32, (m, w.n), writable=True, align=ELEMENT_ALIGN)
     isa = _qgemm_isa(isa, m, w.kind)
-    symbol = qgemm_symbol(w.kind, qgemm_tile(w.kind, isa), isa)
+    tile = qgemm_tile(w.kind, isa)
+    if isa == "avx2" and m == 1 and w.kind in QGEMM_AVX2_DECODE_KINDS:
+        tile = QGEMM_AVX2_DECODE_TILE       # the decode kernel: the same bits, a group pair a pass
+    symbol = qgemm_symbol(w.kind, tile, isa)
     weights = [(a.ctypes.data, a.strides[0]) for a in weight_arrays]
     qs_at, d_at, s_at, out_at = qs.ctypes.data, d.ctypes.data, s.ctypes.data, out.ctypes.data
     calls = []

@@ -19,8 +19,9 @@ import fetched_files
 from helpers import (activation_magnitudes, assert_close_to_reference, assert_on_row_slices,
                      assert_reads_nothing_past_the_weight, assert_refused,
                      assert_row_range_writes_only_its_columns, float_arrays, misaligned,
-                     q8_activations, qgemm_both, qgemm_on, random_activations, runnable)
+                     q8_activations, qgemm_both, qgemm_on, random_activations, runnable, zero_operands)
 from llambda.runtime import buffers, layouts
+from llambda.runtime.native import quant as native_quant
 from llambda.runtime.ref import kquants16 as kq
 
 TYPES = ["Q6_K", "Q3_K", "Q2_K"]
@@ -204,6 +205,32 @@ def test_qgemm_reads_nothing_past_the_weight(native, ref, isa, type_name, n):
     w = layouts.pack(type_name, raw, n, k)
     assert_reads_nothing_past_the_weight(native, ref, isa, w, 4, n,
                                          lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n", [8, 17, 24, 40])
+def test_avx2_decode_kernel_reads_nothing_past_the_weight(native, ref, type_name, n):
+    """One activation row runs the AVX2 decode kernel (a group pair a pass, a lone last group
+    paired with itself): each array ends at an unreadable page; n = 17 and 40 end inside a pair."""
+    runnable("avx2", KINDS[type_name])
+    k = 512
+    raw = raw_rows(type_name, n, k, seed=n + 1)
+    w = layouts.pack(type_name, raw, n, k)
+    assert_reads_nothing_past_the_weight(native, ref, "avx2", w, 1, n,
+                                         lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_one_row_takes_the_avx2_decode_kernel(native, type_name):
+    """m = 1 on AVX2 calls the 1 x 16 kernel, more rows the 3 x 8 one (their rows agree bit for
+    bit: tests/kernels/test_batch_invariance.py)."""
+    runnable("avx2", KINDS[type_name])
+    n, k = 24, 256
+    w = layouts.pack(type_name, raw_rows(type_name, n, k), n, k)
+    for m, tile in ((1, "1x16"), (2, "3x8")):
+        qs, d, s, out = zero_operands(m, n, k)
+        symbol, _ = native_quant.qgemm_call(qs, d, s, w, out, isa="avx2")
+        assert symbol == f"llb_qgemm_{KINDS[type_name]}_q8_{tile}__avx2"
 
 
 def test_qgemm_rejects_bad_arguments(native):

@@ -225,6 +225,55 @@ def test_qgemm_extreme_quants_do_not_overflow(native, ref, isa, type_name):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n", [8, 17, 40])
+def test_avx2_decode_kernel_reads_nothing_past_the_weight(native, ref, type_name, n):
+    """One activation row runs the AVX2 decode kernel (a group pair a pass, a lone last group
+    paired with itself): no read past either weight array; n = 17 and 40 end inside a pair."""
+    runnable("avx2", type_name.lower())
+    k = 512
+    raw = kquants.random_blocks(type_name, n, k, np.random.default_rng(n + 1))
+    w = layouts.pack(type_name, raw, n, k)
+    assert_reads_nothing_past_the_weight(native, ref, "avx2", w, 1, n,
+                                         lambda qs, d: magnitude_bound(qs, d, raw, type_name, n, k))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_avx2_decode_kernel_extreme_quants_do_not_overflow(native, ref, type_name):
+    """test_qgemm_extreme_quants_do_not_overflow's rows one at a time, through the decode
+    kernel (its own int16 sums: Q5_K widens chunks 2 and 3 on their own)."""
+    runnable("avx2", type_name.lower())
+    n, k = 24, 512
+    raw = kquants.random_blocks(type_name, n, k, np.random.default_rng(5)).reshape(-1, kquants.SUPER_BYTES[type_name])
+    raw[:, 4:] = 0xFF                                       # scales 63, mins 63, all bits set
+    raw[:, :4] = np.array([1.0, 0.0], np.float16).view(np.uint8)
+    w = layouts.pack(type_name, raw.reshape(n, -1), n, k)
+    top = 15 if type_name == "Q4_K" else 31
+    for row in (np.full(k, 127), np.full(k, -127), np.where(np.arange(k) % 2, 127, -127)):
+        qs = buffers.empty((1, k), np.int8)
+        qs[0] = row
+        d, s = buffers.full((1, k // BLOCK), 1.0), buffers.empty((1, k // BLOCK))
+        s[...] = qs.reshape(1, -1, BLOCK).sum(axis=-1)
+        got, want = qgemm_both(native, ref, qs, d, s, w, "avx2")
+        if row[0] == row[1] == 127:
+            np.testing.assert_array_equal(want, 63 * top * 127 * k)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_one_row_takes_the_avx2_decode_kernel(native, type_name):
+    """m = 1 on AVX2 calls the 1 x 16 kernel, more rows the 6 x 8 one (their rows agree bit for
+    bit: test_qgemm_rows_do_not_depend_on_their_batch)."""
+    from llambda.runtime.native import quant as n_quant
+    runnable("avx2", type_name.lower())
+    n, k = 24, 256
+    w = layouts.pack(type_name, kquants.random_blocks(type_name, n, k, np.random.default_rng(0)), n, k)
+    for m, tile in ((1, "1x16"), (2, "6x8")):
+        qs, d, s, out = zero_operands(m, n, k)
+        symbol, _ = n_quant.qgemm_call(qs, d, s, w, out, isa="avx2")
+        assert symbol == f"llb_qgemm_{type_name.lower()}_q8_{tile}__avx2"
+
+
 def test_qgemm_rejects_bad_k_quant_weights(native, isa):
     from llambda.runtime.native import quant as n_quant
     m, n, k = 2, 10, 256

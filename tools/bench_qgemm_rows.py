@@ -40,7 +40,7 @@ def main(argv=None):
 
     from llambda.runtime import buffers, layouts, library
     from llambda.runtime.native import quant
-    from llambda.codegen.contract import block_multiple
+    from llambda.codegen.contract import block_multiple, qgemm_symbol
     sys_path = os.path.dirname(os.path.abspath(__file__))
     import sys
     sys.path.insert(0, sys_path)
@@ -54,9 +54,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
 
     def fn(dll, symbol):
-        f = getattr(dll, symbol)
+        """The symbol in ``dll``; a library from before a kind's AVX2 decode kernel (1x16) has only
+        its main tile (the same arguments), which is timed instead."""
+        try:
+            f = getattr(dll, symbol)
+        except AttributeError:
+            kind, isa = "_".join(symbol.split("_")[2:4]), symbol.rsplit("__", 1)[1]
+            f = getattr(dll, qgemm_symbol(kind, quant.qgemm_tile(kind, isa), isa))
         f.restype = None
-        f.argtypes = [ctypes.c_size_t] * 10
+        f.argtypes = [ctypes.c_size_t] * (11 if any(k in symbol for k in ("q6_k", "q3_k", "q2_k")) else 10)
         return f
 
     def best(f, calls, budget):

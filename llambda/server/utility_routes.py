@@ -11,7 +11,7 @@ else the list of its byte values (a character split between tokens). The prompt 
 /apply-template is what /v1/chat/completions would generate from, to edit and send to
 /v1/completions. Bad input is a 400 in OpenAI's error shape naming the field (docs/server.md).
 """
-from typing import Annotated, Union
+from typing import Annotated, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -37,6 +37,10 @@ class DetokenizeRequest(schemas._Body):
 
 class ApplyTemplateRequest(schemas._Body):
     messages: Annotated[list[schemas.Message], Field(min_length=1)]
+    # llama-server renders these too; here they are refused rather than left out of the prompt
+    # (the chat route renders them through llambda/chat/turn.py, which gives ids, not text)
+    tools: Optional[list] = None
+    chat_template_kwargs: Optional[dict] = None
 
 
 def _model(request):
@@ -101,6 +105,10 @@ async def detokenize(request: Request):
 @router.post("/apply-template")
 async def apply_template(request: Request):
     req = await _parse(request, ApplyTemplateRequest)
+    for field in ("tools", "chat_template_kwargs"):
+        if getattr(req, field):
+            raise ApiError(400, f"{field} is not supported by /apply-template (it renders messages alone)",
+                           param=field, code="unsupported_parameter")
     model = _model(request)
     try:
         prompt = await run_in_threadpool(model.render_chat, schemas.message_dicts(req))

@@ -221,7 +221,10 @@ def test_apply_template_gives_the_chat_prompt(server, client, ref):
     ("/detokenize", {}, "tokens"),
     ("/apply-template", {"messages": []}, "messages"),
     ("/apply-template", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ("/apply-template", {}, "messages")])
+    ("/apply-template", {}, "messages"),
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}],
+                         "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs")])
 def test_utility_routes_refuse_bad_input_with_400(server, path, body, param):
     status, _, error = server.post_json(path, body)
     assert status == 400 and error["error"]["param"] == param, error

@@ -261,3 +261,12 @@ def test_a_blank_alias_is_refused_before_the_model_loads(model_path):
     r = subprocess.run([sys.executable, "-m", "llambda.cli", "serve", "--model", str(model_path), "--port", "0",
                         "--alias", " padded"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--alias" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_choice_of_n_follows_the_options(server, client, ref):
+    eos = str(ref.tokenizer.eos_id)
+    r = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=10, temperature=1.0, seed=9, n=3, logit_bias={eos: 100},
+                                       extra_body={"min_tokens": 2})
+    assert len(r.choices) == 3 and all(c.finish_reason == "stop" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * 2

@@ -171,7 +171,8 @@ def cmd_serve(args):
                  api_keys=keys, metrics_public=args.metrics_public, cors_origins=origins,
                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, aliases=args.alias,
                  reasoning_format=args.reasoning_format, tool_format=args.tool_format,
-                 chat_template=args.chat_template, pooling=args.pooling)
+                 chat_template=args.chat_template, pooling=args.pooling, read_timeout_s=args.read_timeout,
+                 max_connections_per_client=args.max_connections_per_client, max_connections=args.max_connections)
 
 
 def cmd_convert(args):
@@ -327,6 +328,14 @@ def build_parser():
                        help="on SIGTERM/SIGINT, let running requests finish for S seconds, then cancel them")
     serve.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                        help="uvicorn's log level (default warning)")
+    serve.add_argument("--read-timeout", type=_positive_number("--read-timeout"), default=30.0, metavar="S",
+                       help="a request's head and body must arrive within S seconds of its first byte, else 408 "
+                            "and the connection closes; an idle new connection closes then too (default 30)")
+    serve.add_argument("--max-connections-per-client", type=_positive_int("--max-connections-per-client"),
+                       default=64, metavar="N",
+                       help="connections one client address may hold open; one more is answered 429 (default 64)")
+    serve.add_argument("--max-connections", type=_positive_int("--max-connections"), default=1024, metavar="N",
+                       help="connections open at once from everyone; one more is answered 503 (default 1024)")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route but "
                             "/health and the chat page; repeatable")

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.requests import ClientDisconnect
 
 from llambda.serving.engine import EngineBusy
 from llambda.errors import UserError
@@ -260,10 +261,13 @@ MAX_BODY_BYTES = 32 << 20      # far above any prompt a context holds
 
 async def parse(request, schema):
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    except ClientDisconnect:      # closed before its Content-Length arrived: a client's error, not a 500
+        raise ApiError(400, "the connection closed before the whole body arrived", code="body_incomplete") from None
     return schema.model_validate_json(bytes(body) or b"null")     # ValidationError -> 400 (errors.install)
 
 

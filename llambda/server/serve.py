@@ -5,6 +5,9 @@ server refuses new requests at once (503), lets running requests go on for ``gra
 cancels what is left (a stream ends with an error event, a plain request with a 503), so the
 process exits 0 within a few seconds of the signal whatever the clients asked for.
 
+Slow clients (connections.py): a request's head and body must arrive within ``read_timeout_s``
+of its first byte (408 otherwise); connections are capped per client address and in total.
+
 Security (auth.py): API keys on every route but /health (and the chat page), CORS origins,
 TLS from a certificate and key handed to uvicorn; every flag is checked before the model loads.
 Listening beyond loopback without a key prints a warning.
@@ -77,10 +80,12 @@ def check_tls(keyfile, certfile):
 def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None, threads=None, max_waiting=64,
           grace_s=3.0, log_level="warning", kv_cache_mb=None, kv_type=None, api_keys=(), metrics_public=False,
           cors_origins=(), ssl_keyfile=None, ssl_certfile=None, aliases=(), reasoning_format="auto",
-          tool_format=None, chat_template=None, pooling=None):
+          tool_format=None, chat_template=None, pooling=None, read_timeout_s=30.0, max_connections_per_client=64,
+          max_connections=1024):
     try:
         import uvicorn
         from .app import create_app
+        from . import connections
     except ImportError as e:
         raise UserError(f"llambda serve needs the serve extra ({e.name} is missing): "
                         "pip install 'llambda[serve]'") from None
@@ -90,6 +95,10 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
     api_keys, cors_origins = auth.check_keys(api_keys), auth.check_origins(cors_origins)
     tls = check_tls(ssl_keyfile, ssl_certfile)
     aliases = check_aliases(aliases)
+    for flag, value in (("--read-timeout", read_timeout_s), ("--max-connections-per-client", max_connections_per_client),
+                        ("--max-connections", max_connections)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise UserError(f"{flag}: expected a positive number, got {value!r}")
     if pooling is not None:
         from llambda.serving.embedding import check_pooling
         check_pooling(pooling, "--pooling")
@@ -113,7 +122,10 @@ def serve(model_arg=None, *, host="127.0.0.1", port=8080, parallel=4, n_ctx=None
                 served.drain(grace_s)
                 await super().shutdown(sockets=sockets)
 
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+        # slow or idle clients time out, and connections are capped per client (connections.py)
+        protocol = connections.connection_protocol(read_timeout_s, max_connections_per_client, max_connections,
+                                                   on_refused=served.metrics.error)
+        config = uvicorn.Config(app, http=protocol, log_level=log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=grace_s + 5, timeout_keep_alive=5,
                                 ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
         server = Server(config)

@@ -251,10 +251,12 @@ def chat_tools(req):
     return out
 
 
-def chat_tool_choice(choice):
+def chat_tool_choice(choice, tools):
     """(tool_choice, parallel_tool_calls) in the chat route's words."""
     if choice is None:
         return None, None
+    if choice.type in ("any", "tool") and not tools:
+        raise ApiError(400, f"tool_choice: {choice.type!r} needs tools", param="tool_choice")
     parallel = None if choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
     if choice.type == "tool":
         if choice.name is None:
@@ -265,7 +267,7 @@ def chat_tool_choice(choice):
 
 
 def chat_request(req, max_tokens):
-    tool_choice, parallel = chat_tool_choice(req.tool_choice)
+    tool_choice, parallel = chat_tool_choice(req.tool_choice, req.tools)
     fields = {"model": req.model, "messages": chat_messages(req), "tools": chat_tools(req),
               "tool_choice": tool_choice, "parallel_tool_calls": parallel, "max_tokens": max_tokens,
               "stop": req.stop_sequences}

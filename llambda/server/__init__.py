@@ -7,6 +7,9 @@
     auth.py     API keys (an ASGI middleware) and CORS origins
     serve.py    model + uvicorn + graceful shutdown
     embeddings.py  POST /v1/embeddings over Model.embed (float or base64)
+    responses.py   POST /v1/responses: OpenAI's Responses API, stateless, over the chat path
+    anthropic_messages.py  POST /v1/messages[/count_tokens]: Anthropic's Messages API, over the chat path
+    chat_bridge.py what those two share: their requests as chat requests, Served's turn and start
     static/     the chat page at / (index.html, chat.js, chat.css: no build step, no CDN)
 """
 from .serve import serve

@@ -204,7 +204,12 @@ class WrappedFormat:
             repeat = f"(WS {_lit(self.trigger, specials)} (" + any_call + "))*" if parallel else ""
             lines.append(f"start: {prefix}WS {_lit(self.trigger, specials)} ({any_call}) {repeat}")
             if think:
-                lines += ['think: "<think>" THINK "</think>"', r"THINK: /(.|\n)*/"]
+                # the block ends at its first </think> (a lazy lexeme), or at the special token
+                if "</think>" in specials:
+                    lines.append(f"think: {_lit('<think>', specials)} TEXT {_lit('</think>', specials)}")
+                else:
+                    lines += [f"think: {_lit('<think>', specials)} think_end", 'think_end[lazy]: TEXT "</think>"']
+                lines.append(r"TEXT: /(.|\n)*/")
             lines.append(r"WS: /[ \n]{0,2}/")
         else:
             count = "+" if parallel else ""

@@ -265,3 +265,17 @@ def test_respond_is_the_python_api_of_a_turn(model):
     assert plain["tool_calls"] is None and plain["reasoning_content"] is None and isinstance(plain["content"], str)
     with pytest.raises(ToolError, match="tool_choice"):
         model.respond([{"role": "user", "content": "Hi"}], tools=TOOLS, tool_choice="always")
+
+
+def test_a_forced_call_may_follow_a_think_block(model):
+    offered = parse_tools(TOOLS)
+    grammar = tools.HERMES.grammar(offered, "required", "add", False, set(), think=True)
+    from llambda.serving.constraints import Constraint
+
+    def accepts(text):
+        c = Constraint(grammar, model.tokenizer, model.n_vocab)
+        return c.matcher.consume_tokens(model.tokenize(text, add_special=False))
+    assert accepts("<think>\nadd them </thin k>\n</think>\n<tool_call>\n")          # the block ends at </think>
+    assert accepts('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    assert not accepts("<think>x</think> Sure, here")                                # then only the call
+    assert not accepts("Sure")

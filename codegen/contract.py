@@ -164,7 +164,7 @@ QGEMM_KIND_TILES = {"q6_k": {"avx2": "3x8", "avx512": "16x16"}, "q3_k": {"avx2":
 # activation's per-block work done once for 16 columns (codegen/qgemm_k16.py, qgemm_kquant.py
 # "AVX2 decode"). Same bits as the kind's AVX2 tile; the binding picks it for one row.
 QGEMM_AVX2_DECODE_TILE = "1x16"
-QGEMM_AVX2_DECODE_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
+QGEMM_AVX2_DECODE_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k")
 
 
 def block_multiple(kind):

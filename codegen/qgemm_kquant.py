@@ -2,7 +2,7 @@
 
     llb_qgemm_q4_k_q8_6x8__avx2(wq, wscale, aq, ad, asum, out, m, n, kb, ldo)
     llb_qgemm_q5_k_q8_16x16__avx512(...)         (and the other two)
-    llb_qgemm_q4_k_q8_1x16__avx2(...)            the AVX2 decode kernels (see "AVX2 decode")
+    llb_qgemm_q4_k_q8_1x16__avx2(...)            the AVX2 decode kernel (see "AVX2 decode")
 
 The arguments, tiles, loops and stores are codegen/qgemm.py's; only the tiles'
 block loop differs. ``wq`` points at a ``q4_k`` / ``q5_k`` weight's ``qs`` and
@@ -56,7 +56,7 @@ from peachpy.x86_64 import (YMMRegister, XMMRegister, ZMMRegister, Loop, ADD, SU
 
 from .peachpy_ext import VPDPBUSD, broadcast
 from .contract import (BLOCK, CHUNK, GROUP, KQ_SUB_BLOCKS, KQ_MINS_OFFSET, KQ_BLOCK_SCALES_OFFSET,
-                       KQ_BLOCK_SCALES_BYTES, KQ_SCALE_RECORD)
+                       KQ_BLOCK_SCALES_BYTES, KQ_SCALE_RECORD, QGEMM_AVX2_DECODE_KINDS)
 from .qgemm import (PREFETCH_BYTES, YMM_COUNT, SIGNATURE, TILINGS, Family, QuantsAndScales, RowAddresses, TOTALS,
                     NIBBLE_BYTES, Tiling, emit_qgemm, place_constants, count_blocks, emit_block_scale,
                     store_tile_avx2, store_pair_avx2, store_tile_avx512, rewind_blocks, broadcast_constant,
@@ -247,13 +247,13 @@ def emit_tile_avx2(r, kind, rows, ldo_bytes, name):
 
 # --------------------------------------------------------------------------- AVX2 decode (1 x 16)
 #
-# As codegen/qgemm_k16.py's: for one activation row (decode) the tile takes a group PAIR (16
-# columns), so each activation broadcast feeds both groups' vpmaddubsw, and the block's
+# Q4_K, as codegen/qgemm_k16.py's: for one activation row (decode) the tile takes a group PAIR
+# (16 columns), so each activation broadcast feeds both groups' vpmaddubsw, and the block's
 # activation scale and sum are broadcast once for both. Each group's block gets the 6x8
 # tile's integer sums and f32 operations (emit_block_scale's multiply and two FMAs), so the
-# bits are the same. Both groups' super-block d and -dmin stay in registers; Q5_K, whose
-# high bits take a temporary, reads its masks from memory and widens chunks 2 and 3 on their
-# own (no second int16 sum per group).
+# bits are the same; both groups' super-block d and -dmin stay in registers. (A Q5_K pair
+# tile, its high bits and masks read from memory for want of registers and chunks 2-3 widened
+# on their own, ran 0.77-0.82x the 6x8 tile's one-row rate on the Zen 3 host: Q5_K has none.)
 
 DECODE_TILING = Tiling(full=(1,), groups=2, remainders=(), exact=True)
 
@@ -272,13 +272,10 @@ def prefetch_pair_block(r, kind, b):
 
 def emit_pair_tile(r, kind, rows, ldo_bytes, name):
     """out[1 x 16] of the current group pair and activation row; leaves the pointers where it found them."""
-    assert rows == 1
-    ones = YMMRegister()
+    assert rows == 1 and not kind.five_bit
+    nibble, ones = YMMRegister(), YMMRegister()
+    VMOVDQA(nibble, Constant.uint32x8(0x0F0F0F0F))
     VMOVDQA(ones, Constant.uint16x16(1))
-    nibble, high = Constant.uint32x8(0x0F0F0F0F), Constant.uint32x8(HIGH_BIT * 0x01010101)
-    if not kind.five_bit:
-        nibble = YMMRegister()
-        VMOVDQA(nibble, Constant.uint32x8(0x0F0F0F0F))
     records = (r.wscale, r.wscale + r.pair_scales * 1)
     facc = [YMMRegister() for _ in range(2)]
     for f in facc:
@@ -293,7 +290,7 @@ def emit_pair_tile(r, kind, rows, ldo_bytes, name):
             super_scales.append((d, neg_dmin))
         for b in range(KQ_SUB_BLOCKS):
             prefetch_pair_block(r, kind, b)
-            emit_pair_block(r, kind, (nibble, ones, high), records, super_scales, facc, b)
+            emit_pair_block(r, kind, (nibble, ones), records, super_scales, facc, b)
         advance_block(r, kind, KQ_SUB_BLOCKS)
         ADD(r.wscale, KQ_SCALE_RECORD)
         SUB(r.blocks_left, 1)
@@ -304,7 +301,7 @@ def emit_pair_tile(r, kind, rows, ldo_bytes, name):
 
 def emit_pair_block(r, kind, consts, records, super_scales, facc, b):
     """Block b of the super-block for both groups of the pair: facc[g] += its products."""
-    nibble, ones, high = consts
+    nibble, ones = consts
     quants, act = kind.quant_bytes * b, BLOCK * b
     wq = (r.wq, r.wq + r.pair_quants * 1)
     acc = [YMMRegister() for _ in range(2)]
@@ -316,17 +313,7 @@ def emit_pair_block(r, kind, consts, records, super_scales, facc, b):
             VPSRLW(hi, lo, 4)
             VPAND(lo, lo, nibble)
             VPAND(hi, hi, nibble)
-            if kind.five_bit:
-                for target, count in zip((lo, hi), high_bit_shifts(c)):
-                    t = YMMRegister()
-                    VMOVDQA(t, [wq[g] + quants + kind.high_bits_offset])
-                    shift_words(t, t, count)
-                    VPAND(t, t, high)
-                    VPOR(target, target, t)
             nibbles.append((lo, hi))
-        # Q5_K: at most four pair sums of 5-bit quants fit an int16 lane, so chunks 2 and 3
-        # widen their two products each (the 6x8 tile's way where it lacks registers)
-        widened = kind.five_bit and c >= 2
         for part, offset in ((0, CHUNK * c), (1, BLOCK // 2 + CHUNK * c)):
             # low nibbles are weights 4c..4c+3 of the block, high nibbles 16+4c..16+4c+3
             bcast = YMMRegister()
@@ -337,17 +324,9 @@ def emit_pair_block(r, kind, consts, records, super_scales, facc, b):
                     VPMADDUBSW(acc[g], weights, bcast)          # the block's int16 sum starts
                     continue
                 VPMADDUBSW(weights, weights, bcast)
-                if not widened:
-                    VPADDW(acc[g], acc[g], weights)
-                elif part == 1:
-                    VPADDW(nibbles[g][0], nibbles[g][0], weights)   # the chunk's own pair
-        if widened:
-            for g in range(2):
-                VPMADDWD(nibbles[g][0], nibbles[g][0], ones)
-                VPADDD(acc[g], acc[g], nibbles[g][0])
-        if c == (1 if kind.five_bit else NIBBLE_CHUNKS - 1):
-            for a in acc:
-                VPMADDWD(a, a, ones)
+                VPADDW(acc[g], acc[g], weights)
+    for a in acc:
+        VPMADDWD(a, a, ones)
     # emit_block_scale's operations per group, the activation scale and sum broadcast once
     scales = KQ_BLOCK_SCALES_OFFSET + KQ_BLOCK_SCALES_BYTES * b
     d_a, s_a = YMMRegister(), YMMRegister()
@@ -358,9 +337,6 @@ def emit_pair_block(r, kind, consts, records, super_scales, facc, b):
         for target, sub_offset, super_scale in ((d_w, 0, super_scales[g][0]), (m_w, GROUP, super_scales[g][1])):
             VPMOVZXBD(target, [record + scales + sub_offset])
             VCVTDQ2PS(target, target)
-            if not isinstance(super_scale, YMMRegister):
-                VCVTPH2PS(factor, super_scale)
-                super_scale = factor
             VMULPS(target, target, super_scale)
         VCVTDQ2PS(acc[g], acc[g])
         VMULPS(factor, d_a, d_w)
@@ -479,5 +455,6 @@ FAMILY = Family(SIGNATURE, tiles={"avx2": emit_tile_avx2, "avx512": emit_tile_av
 def emit(isa):
     kernels = [emit_qgemm(kind, isa, FAMILY) for kind in KINDS]
     if isa == "avx2":
-        kernels += [emit_qgemm(kind, isa, FAMILY, DECODE_TILING, emit_pair_tile) for kind in KINDS]
+        kernels += [emit_qgemm(kind, isa, FAMILY, DECODE_TILING, emit_pair_tile) for kind in KINDS
+                    if kind.name in QGEMM_AVX2_DECODE_KINDS]
     return kernels

@@ -228,8 +228,8 @@ def test_qgemm_extreme_quants_do_not_overflow(native, ref, isa, type_name):
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("n", [8, 17, 40])
 def test_avx2_decode_kernel_reads_nothing_past_the_weight(native, ref, type_name, n):
-    """One activation row runs the AVX2 decode kernel (a group pair a pass, a lone last group
-    paired with itself): no read past either weight array; n = 17 and 40 end inside a pair."""
+    """One activation row on AVX2 (Q4_K: the decode kernel, a group pair a pass, a lone last
+    group paired with itself): no read past either weight array; n = 17 and 40 end inside a pair."""
     runnable("avx2", type_name.lower())
     k = 512
     raw = kquants.random_blocks(type_name, n, k, np.random.default_rng(n + 1))
@@ -240,8 +240,8 @@ def test_avx2_decode_kernel_reads_nothing_past_the_weight(native, ref, type_name
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_avx2_decode_kernel_extreme_quants_do_not_overflow(native, ref, type_name):
-    """test_qgemm_extreme_quants_do_not_overflow's rows one at a time, through the decode
-    kernel (its own int16 sums: Q5_K widens chunks 2 and 3 on their own)."""
+    """test_qgemm_extreme_quants_do_not_overflow's rows one at a time on AVX2 (Q4_K: through the
+    decode kernel, its own int16 sums)."""
     runnable("avx2", type_name.lower())
     n, k = 24, 512
     raw = kquants.random_blocks(type_name, n, k, np.random.default_rng(5)).reshape(-1, kquants.SUPER_BYTES[type_name])
@@ -260,15 +260,15 @@ def test_avx2_decode_kernel_extreme_quants_do_not_overflow(native, ref, type_nam
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_one_row_takes_the_avx2_decode_kernel(native, type_name):
-    """m = 1 on AVX2 calls the 1 x 16 kernel, more rows the 6 x 8 one (their rows agree bit for
-    bit: test_qgemm_rows_do_not_depend_on_their_batch)."""
+@pytest.mark.parametrize("type_name, one_row", [("Q4_K", "1x16"), ("Q5_K", "6x8")])
+def test_one_row_takes_the_avx2_decode_kernel(native, type_name, one_row):
+    """m = 1 on AVX2 calls Q4_K's 1 x 16 kernel, more rows the 6 x 8 one (their rows agree bit
+    for bit: test_qgemm_rows_do_not_depend_on_their_batch); Q5_K has no decode kernel."""
     from llambda.runtime.native import quant as n_quant
     runnable("avx2", type_name.lower())
     n, k = 24, 256
     w = layouts.pack(type_name, kquants.random_blocks(type_name, n, k, np.random.default_rng(0)), n, k)
-    for m, tile in ((1, "1x16"), (2, "6x8")):
+    for m, tile in ((1, one_row), (2, "6x8")):
         qs, d, s, out = zero_operands(m, n, k)
         symbol, _ = n_quant.qgemm_call(qs, d, s, w, out, isa="avx2")
         assert symbol == f"llb_qgemm_{type_name.lower()}_q8_{tile}__avx2"

@@ -428,19 +428,7 @@ class Model:
         ``parallel`` at once), and a text's vector is the same bit for bit alone or beside others."""
         from llambda.serving import embedding
         pooling = self.pooling if pooling is None else embedding.check_pooling(pooling)
-        batch = embedding.token_lists(self, texts, "texts")
-        window = max(1, min(2 * self.parallel, self.engine.max_waiting))     # every slot busy, one behind each
-        pending, vectors = [], []
-        try:
-            for ids in batch:
-                pending.append(self.engine.submit_embedding(ids, pooling))
-                if len(pending) >= window:
-                    vectors.append(pending.pop(0).result())
-            vectors.extend(e.result() for e in pending)
-        finally:
-            for e in pending:
-                e.cancel()
-        vectors = np.stack(vectors)
+        vectors = embedding.Batch(self.engine, embedding.token_lists(self, texts, "texts"), pooling).run()
         return embedding.normalized(vectors) if normalize else vectors
 
     # -- profiling --------------------------------------------------------------

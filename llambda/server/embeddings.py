@@ -13,6 +13,7 @@ other value is a 400 that says it. ``user`` is ignored. Text is tokenized as lla
 does (BOS/EOS where the model asks, special tokens parsed). Bad input is a 400 in OpenAI's
 error shape naming ``input`` (``input[2]``: the third text).
 """
+import asyncio
 import base64
 from typing import Literal, Optional, Union
 
@@ -53,6 +54,14 @@ def _check(served, req):
                        param="dimensions", code="unsupported_parameter")
 
 
+async def _cancel_on_disconnect(request, batch):
+    """A client that goes away cancels the texts not embedded yet (their KV blocks freed before
+    the engine's next step), as a chat request's sequence is."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    batch.cancel()
+
+
 def _encoded(vector, encoding_format):
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
@@ -71,7 +80,12 @@ async def embeddings(request: Request):
     except UserError as e:
         raise ApiError(400, str(e), param="input", code="invalid_input") from None
     try:
-        vectors = await run_in_threadpool(model.embed, token_lists)
+        batch = embedding.Batch(model.engine, token_lists, model.pooling)
+    except UserError as e:                      # the GGUF's pooling_type gives no vector (rank)
+        raise ApiError(400, str(e), param="model", code="unsupported_model") from None
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, batch))
+    try:
+        vectors = embedding.normalized(await run_in_threadpool(batch.run))
     except EngineBusy as e:
         raise ApiError(429, str(e), type="rate_limit_error", code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -80,6 +94,8 @@ async def embeddings(request: Request):
             raise ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
                            code="shutting_down") from None
         raise ApiError(400, str(e), param="input") from None
+    finally:
+        watcher.cancel()
     tokens = sum(len(ids) for ids in token_lists)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(np.asarray(vectors))]

@@ -22,7 +22,9 @@ here after each step. Pooling runs once every row is in, in one fixed order over
 text, so a vector does not depend on how the engine cut the text into chunks: it is batch
 invariant like every row of the model.
 """
+import collections
 import numbers
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -140,6 +142,45 @@ class Embedding(Completion):
             # vector, however the engine cut the text into steps
             return (self._rows.sum(axis=0, dtype=np.float64) / len(self._rows)).astype(np.float32)
         return self._rows[0].copy()
+
+
+class Batch:
+    """The texts of one embed call as engine sequences, a window of them queued at a time (every
+    slot busy and one more behind each, never more than may wait): ``run()`` on the caller's
+    thread returns their vectors; ``cancel()`` from any thread (a client that went away) ends
+    the ones queued and queues no more."""
+
+    def __init__(self, engine, token_lists, pooling):
+        self.engine, self.token_lists, self.pooling = engine, token_lists, check_pooling(pooling)
+        self.window = max(1, min(2 * engine.net.max_seqs, engine.max_waiting))
+        self._pending = collections.deque()
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def run(self):
+        """The pooled vectors, float32 [n, dim] in the texts' order (not normalized)."""
+        vectors = []
+        try:
+            for ids in self.token_lists:
+                with self._lock:
+                    if self.cancelled:
+                        raise UserError("the embeddings were cancelled")
+                    self._pending.append(self.engine.submit_embedding(ids, self.pooling))
+                if len(self._pending) >= self.window:
+                    vectors.append(self._pending[0].result())
+                    self._pending.popleft()
+            while self._pending:
+                vectors.append(self._pending[0].result())
+                self._pending.popleft()
+        finally:
+            self.cancel()              # what an error left queued (the finished ones ignore it)
+        return np.stack(vectors)
+
+    def cancel(self):
+        with self._lock:
+            self.cancelled = True
+            for e in self._pending:
+                e.cancel()
 
 
 def normalized(vectors):

@@ -122,6 +122,17 @@ def test_the_server_serves_on(client, server, local):
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_client_that_leaves_cancels_its_texts(server):
+    idle = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0)
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.5)
+    texts = [[7 + i] * 250 for i in range(64)]
+    with pytest.raises(openai.APITimeoutError):           # the client gives up and closes the connection
+        impatient.embeddings.create(model=server.model_id, input=texts)
+    m = server.wait_metrics(lambda m: m["llambda_requests_running"] == 0 and m["llambda_requests_waiting"] == 0)
+    assert m["llambda_requests_running"] == 0 and m["llambda_requests_waiting"] == 0
+    assert m["llambda_prompt_tokens_total"] - idle["llambda_prompt_tokens_total"] < 250 * len(texts)
+
+
 def test_pooling_flag_overrides_the_file(default_gguf, local):
     s = ServerProcess(default_gguf, "--ctx", "256", "--parallel", "2", "--threads", "1", "--pooling", "last")
     try:

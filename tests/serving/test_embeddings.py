@@ -9,6 +9,7 @@ of Qwen3-Embedding-0.6B's layer shapes.
 """
 import importlib.util
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -146,6 +147,31 @@ def test_more_texts_than_may_wait_are_embedded(tiny):
         got = m.embed(texts)
         assert got.shape == (20, m.config.dim)
         np.testing.assert_array_equal(got[13], m.embed([texts[13]])[0])
+
+
+def test_cancel_ends_the_texts_queued_and_queues_no_more(model):
+    from llambda.serving.embedding import Batch
+    texts = [ids(500, 600 + i) for i in range(200)]
+    batch, out = Batch(model.engine, texts, "mean"), {}
+    before = model.stats()
+
+    def run():
+        try:
+            out["vectors"] = batch.run()
+        except UserError as e:
+            out["error"] = e
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while model.stats()["requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    batch.cancel()
+    thread.join(TIMEOUT_S)
+    assert "cancelled" in str(out.get("error")), out
+    after = model.stats()
+    assert after["requests_running"] == after["requests_waiting"] == 0
+    assert after["prompt_tokens"] - before["prompt_tokens"] < 500 * len(texts)     # not all were run
+    assert model.embed("on it goes").shape == (1, model.config.dim)
 
 
 # -- the step ------------------------------------------------------------------------------

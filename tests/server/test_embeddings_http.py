@@ -142,3 +142,19 @@ def test_pooling_flag_overrides_the_file(default_gguf, local):
         np.testing.assert_array_equal(got, local.embed(TEXTS, pooling="last"))
     finally:
         assert s.stop() == 0, "".join(s.log)
+
+
+def test_a_rank_gguf_is_a_400_naming_the_model(tmp_path):
+    from fastapi.testclient import TestClient
+    from llambda.server import create_app
+    from synth_arch import write_random_model
+    path = write_random_model(tmp_path / "rank.gguf", arch="qwen3", seed=1, n_layer=1, dim=64, n_head=2,
+                              n_kv_head=1, head_dim=32, ffn_dim=64, vocab_size=320, pooling_type=4)
+    with llambda.load(path, n_ctx=64, progress=False) as m:
+        http = TestClient(create_app(m, "rank"))
+        r = http.post("/v1/embeddings", json={"model": "rank", "input": "x"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_model", r.text
+        assert "pooling_type = 4 (rank)" in r.json()["error"]["message"]
+        m.pooling = "mean"                     # what --pooling does
+        r = http.post("/v1/embeddings", json={"model": "rank", "input": "x"})
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64

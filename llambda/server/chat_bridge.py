@@ -3,8 +3,9 @@ path, as llama-server does, so one set of sampling, limit and tool rules serves 
 
     chat = as_chat_request({"model": ..., "messages": [...], "tools": [...], "max_tokens": 64})
     turn, run, reader = await start_turn(served, chat, RENAMES, "input")
-    ...                                           # read run.events() or collected(...)
-    reply = whole_reply(reader, text)             # {"content", "reasoning_content", "tool_calls"}
+    async for _, event in run.events():           # (or app.collected for a plain reply)
+        for delta in deltas(reader, event.text):  # {"content"} | {"reasoning_content"} | {"tool_calls"}
+            ...
 
 A route builds OpenAI-style chat fields from its own request (after its own schema checked
 them, naming its own fields), and this module turns them into a ChatRequest and a running
@@ -17,7 +18,7 @@ import re
 
 from pydantic import ValidationError
 
-from llambda.chat.reply import CLOSE, ReplyReader
+from llambda.chat.reply import CLOSE
 from . import schemas
 from .errors import ApiError, from_validation
 
@@ -69,15 +70,6 @@ def deltas(reader, piece):
 
 def final_deltas(reader):
     return [] if reader is None else reader.finish()
-
-
-def whole_reply(reader, text):
-    """{"content", "reasoning_content", "tool_calls"} of a reply's whole text (a fresh reader)."""
-    if reader is None:
-        return {"content": text, "reasoning_content": None, "tool_calls": None}
-    fresh = ReplyReader(reader.tool_format, reasoning=reader.reasoning, thinking=reader.thinking)
-    fresh.feed(text)
-    return fresh.message()
 
 
 def reasoning_tokens(events, reasoning):

@@ -159,7 +159,10 @@ def _validated(model, raw, where):
         error = from_validation(e)
         inner = error.param or ""
         param = f"{where}.{inner}" if inner and not inner.startswith("[") else f"{where}{inner}"
-        message = error.message.replace(f"'{inner}'", f"'{param}'", 1) if inner else f"{where}: {error.message}"
+        if inner:
+            message = error.message.replace(f"'{inner}'", f"'{param}'", 1)
+        else:
+            message = f"{where}: {error.message.removeprefix('the body: ')}"
         raise ApiError(400, message, param=param, code=error.code) from None
 
 

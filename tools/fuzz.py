@@ -5,6 +5,7 @@ one-line error is a failure, and its case is written to a folder.
     tools/fuzz.py --minutes 20                 # a campaign; failures go to fuzz-failures/
     tools/fuzz.py --cases 200 --seed 7         # a fixed number of cases
     tools/fuzz.py --replay fuzz-failures/x     # run one saved case again, in this process
+    tools/fuzz.py --http --cases 60 --seed 3    # hostile HTTP to llambda serve (tools/fuzz_http.py)
 
 Cases (each drawn from (seed, index), so a run is reproducible):
 
@@ -55,9 +56,11 @@ KINDS = ("gguf", "llb", "text", "template", "cli")
 # ---------------------------------------------------------------- seeds: the files mutated
 
 def make_seeds(directory, real=None):
-    """Small valid files to mutate: synthetic GGUFs of two shapes and their conversions, and
-    the header (with the tensor data cut off) of ``real``, a real GGUF, when given."""
+    """Small valid files to mutate: synthetic GGUFs of two shapes, the fixture models of the
+    other architectures in K-quant and Q5 types (issue 39), and their conversions, and the
+    header (with the tensor data cut off) of ``real``, a real GGUF, when given."""
     from llambda.model import convert
+    from fixture_models import write_fixture_model
     from synth import write_random_llama
     directory = Path(directory)
     ggufs = []
@@ -66,6 +69,8 @@ def make_seeds(directory, real=None):
         write_random_llama(path, n_layer=1, dim=64, n_head=2, n_kv_head=1, ffn_dim=64, vocab_size=vocab,
                            tensor_type=tensor_type, n_ctx=64, seed=i)
         ggufs.append(path)
+    for arch, tensor_type in (("gemma3", "Q4_K"), ("qwen2", "Q2_K"), ("qwen3", "Q6_K"), ("phi3", "Q5_1")):
+        ggufs.append(write_fixture_model(directory / f"seed-{arch}-{tensor_type}.gguf", arch, tensor_type))
     llbs = [convert.convert(path, path.with_suffix(".llb"), progress=False) for path in ggufs]
     with contextlib.suppress(OSError):
         if real is not None and real.exists():
@@ -708,7 +713,17 @@ def main(argv=None):
     parser.add_argument("--out", default="fuzz-failures", help="folder for failing cases")
     parser.add_argument("--timeout", type=float, default=CASE_SECONDS, help="seconds before a case is a hang")
     parser.add_argument("--replay", metavar="FOLDER", help="run one saved case in this process")
+    parser.add_argument("--http", action="store_true",
+                        help="fuzz llambda serve over HTTP instead (tools/fuzz_http.py): its own server, or --url")
+    parser.add_argument("--url", help="with --http: a llambda server already running on loopback")
+    parser.add_argument("--read-timeout", type=float, help="with --url: the server's --read-timeout (slow cases)")
+    parser.add_argument("--only", type=int, metavar="INDEX", help="with --http: run case INDEX of --seed alone")
     args = parser.parse_args(argv)
+    if args.http:
+        if args.minutes is None and args.cases is None and args.only is None:
+            parser.error("give --minutes, --cases or --only")
+        import fuzz_http
+        return fuzz_http.main(args)
     if args.replay:
         replay(args.replay)
         return 0

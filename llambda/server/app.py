@@ -123,6 +123,10 @@ class Served:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {n_ctx} with room "
                                 "for the reply (start the server with a larger --ctx, or shorten the prompt)",
                            param=param, code="context_length_exceeded")
+        n, queue = req.n or 1, self.model.engine.max_waiting
+        if n > queue:       # its choices wait together: more than the queue holds would be a 429 forever
+            raise ApiError(400, f"n: {n} choices are more than this server queues at once ({queue}, its "
+                                "--max-waiting)", param="n", code="invalid_value")
         run = Run(asyncio.get_running_loop())
         try:
             run.completions = self.model.choices(ids, req.n or 1, **schemas.sampling_options(req, n_ctx - len(ids)),

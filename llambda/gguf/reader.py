@@ -42,6 +42,12 @@ _TENSOR_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8":
                   "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
+def _shown(name):
+    """A key or tensor name for a message: as it is when printable, else its repr (a damaged
+    name may hold any bytes, a newline too, and a message is one line)."""
+    return name if name.isprintable() else repr(name)
+
+
 @dataclass(frozen=True)
 class _Entry:
     """Where one key's value lies: its type, and for arrays the element type and count."""
@@ -108,9 +114,9 @@ class GGUFFile:
             try:
                 entry, pos = self._skip_value(value_type, pos)
             except (struct.error, ValueError, OverflowError) as e:
-                raise ValueError(f"key {key}: {e}") from None
+                raise ValueError(f"key {_shown(key)}: {e}") from None
             if key in self._entries:        # as llama.cpp's gguf_init: which one would be meant?
-                raise UserError(f"{self.path}: key {key} appears twice in the GGUF")
+                raise UserError(f"{self.path}: key {_shown(key)} appears twice in the GGUF")
             self._entries[key] = entry
         tensors = []
         for _ in range(n_tensors):
@@ -130,7 +136,7 @@ class GGUFFile:
         seen = set()
         for tensor in self.tensors:       # as llama.cpp's gguf_init: which one would be meant?
             if tensor.name in seen:
-                raise UserError(f"{self.path}: tensor {tensor.name} appears twice in the tensor table")
+                raise UserError(f"{self.path}: tensor {_shown(tensor.name)} appears twice in the tensor table")
             seen.add(tensor.name)
 
     def check_tensors(self):
@@ -143,13 +149,13 @@ class GGUFFile:
             block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
             row = tensor.shape[0] if tensor.shape else 1
             if row % block:
-                raise UserError(f"{self.path}: tensor {tensor.name} has rows of {row} values, not whole "
+                raise UserError(f"{self.path}: tensor {_shown(tensor.name)} has rows of {row} values, not whole "
                                 f"{tensor.tensor_type.name} blocks of {block}")
             n_elements = 1
             for d in tensor.shape:
                 n_elements *= d
             if tensor.data_offset + n_elements // block * block_bytes > len(self._buf):
-                raise UserError(f"{self.path}: tensor {tensor.name} ({' x '.join(map(str, tensor.shape[::-1]))} "
+                raise UserError(f"{self.path}: tensor {_shown(tensor.name)} ({' x '.join(map(str, tensor.shape[::-1]))} "
                                 f"{tensor.tensor_type.name}) runs past the end of the file")
 
     def _tensor(self, name, raw_type, shape, offset):

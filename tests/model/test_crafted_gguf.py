@@ -5,6 +5,7 @@ not divide the width, a sliding window of 0, absurd RoPE parameters, huge vocabu
 Each one, converted with the CLI, ends with exit status 2 and one line naming the file and the
 field at fault, and allocates nothing large before the check (peak traced memory)."""
 import math
+import struct
 import tracemalloc
 
 import pytest
@@ -105,6 +106,11 @@ def _cases():
     for arch, item, key in (("qwen3", STR, "tokenizer.ggml.tokens"), ("gemma3", I32, "tokenizer.ggml.token_type"),
                             ("phi3", STR, "tokenizer.ggml.merges")):
         cases[f"{arch} huge {key}"] = (arch, "F16", dict(patch=[array_count(key, item, 2**40)]), key)
+    # found by the fuzz campaign: a key length past its key reads bytes (a newline too) as the name
+    key = b"general.file_type"
+    cases["a key length past its key"] = (
+        "qwen2", "Q2_K", dict(patch=[(struct.pack("<Q", len(key)) + key, struct.pack("<Q", len(key) + 15))]),
+        "general.file_type")
     cases["gemma3 sliding window 0"] = ("gemma3", "F16", dict(keys={"gemma3.attention.sliding_window": 0}),
                                         "gemma3.attention.sliding_window")
     cases["gemma3 sliding window -1"] = ("gemma3", "F16",

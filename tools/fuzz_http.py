@@ -18,13 +18,16 @@ restarts it after each SIGTERM case. Every case is drawn from (seed, index):
   Content-Length shorter than the body;
 - ``storm``: many concurrent streams (and plain requests) that each read to the end or
   disconnect at a random point, some with a reset;
+- ``mixed``: ``field`` and ``body`` cases while a storm runs;
+- ``pipelined``: several requests, hostile ones among them, in one write on a keep-alive connection;
 - ``cancel``: requests sent and dropped at once, or cut mid-body (a cancel storm);
 - ``slow``: a connection that sends nothing, a head or a body dribbled a byte at a time,
   a Content-Length larger than what is sent, more connections than one client may hold;
 - ``context``: prompts at, over and far over the context, n up to 128, huge max_tokens,
   embeddings and templates over the context, against a KV pool smaller than the contexts;
 - ``sigterm`` (every SIGTERM_EVERY cases, own server only): requests in flight, SIGTERM,
-  the process must exit 0 within its grace and every client get a whole answer.
+  the process must exit 0 within its grace and every client get a whole answer (clients still
+  sending their request at the signal included).
 
 The rules: every answer is a 2xx with valid JSON (no NaN) or a stream that ends cleanly,
 or a 4xx with an OpenAI error body (Anthropic's for /v1/messages); never a 5xx, a hang or
@@ -50,7 +53,7 @@ from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_OPTIONS = ("--ctx", "128", "--parallel", "2", "--max-waiting", "8", "--threads", "1",
-                  "--kv-cache-mb", "0.1", "--read-timeout", "2", "--max-connections-per-client", "40",
+                  "--kv-cache-mb", "0.05", "--read-timeout", "2", "--max-connections-per-client", "40",
                   "--shutdown-grace", "1")
 N_CTX, READ_TIMEOUT_S, PER_CLIENT = 128, 2.0, 40
 BATCH = 8                   # cases between health checks
@@ -198,6 +201,9 @@ def exchange(target, raw, timeout):
     conn = Conn(target, timeout)
     try:
         conn.send(raw)
+        if raw.startswith(b"HEAD "):        # an answer without a body, whatever its Content-Length says
+            head = conn.read_until(b"\r\n\r\n").decode("latin-1")
+            return Reply(int(head.split()[1]), {}, b"", clean=False)
         return conn.read_response()
     finally:
         conn.close()
@@ -265,7 +271,7 @@ def judge(reply, path, allow=()):
     if reply.status >= 500 and reply.status not in allow:
         return f"status {reply.status}: {reply.body[:400]!r}"
     if reply.status >= 400:
-        return error_problem(reply, path)
+        return error_problem(reply, path) if reply.clean else None
     if reply.status < 200 or reply.status >= 300:
         return f"status {reply.status}"
     if reply.headers.get("content-type", "").startswith("text/event-stream"):
@@ -741,12 +747,27 @@ def case_body(rng, target, out, timeout):
     run_request(target, out, f"{what} to {path}", path, raw, timeout, may_close=may_close)
 
 
+def _generating_path(rng, target):
+    """A route that generates: chat and completions mostly, the Responses and Messages APIs too."""
+    paths = ["/v1/chat/completions", "/v1/completions"] * 3 + [
+        p for p in ("/v1/responses", "/v1/messages") if p in target.endpoints]
+    return rng.choice(paths)
+
+
 def _stream_body(rng, target, path):
+    stream, max_tokens = rng.random() < 0.8, rng.choice((1, 8, 32, 100))
+    if path in ("/v1/responses", "/v1/messages"):
+        body = {"model": target.model, "stream": stream, "temperature": rng.choice((0, 0.7, 1.5))}
+        if path == "/v1/responses":
+            body.update(input="tell me", max_output_tokens=max_tokens)
+        else:
+            body.update(messages=[{"role": "user", "content": "tell me"}], max_tokens=max_tokens)
+        return body
     if path == "/v1/chat/completions":
         body = {"model": target.model, "messages": [{"role": "user", "content": "tell me"}]}
     else:
         body = {"model": target.model, "prompt": "once upon"}
-    body.update(stream=rng.random() < 0.8, max_tokens=rng.choice((1, 8, 32, 100)), ignore_eos=rng.random() < 0.7,
+    body.update(stream=stream, max_tokens=max_tokens, ignore_eos=rng.random() < 0.7,
                 n=rng.choice((1, 1, 1, 2, 4)), temperature=rng.choice((0, 0.7, 1.5)), seed=rng.randrange(100))
     if rng.random() < 0.3:
         body["logprobs"] = True if path == "/v1/chat/completions" else 3
@@ -764,7 +785,7 @@ def case_storm(rng, target, out, timeout):
     n = rng.randint(4, 24)
     plans = []
     for i in range(n):
-        path = rng.choice(("/v1/chat/completions", "/v1/completions"))
+        path = _generating_path(rng, target)
         body = _stream_body(rng, target, path)
         plan = rng.choice(("full", "full", "headers", "bytes", "time", "reset"))
         plans.append((path, body, plan, rng.randrange(1, 2000), rng.random() * 1.5))
@@ -807,6 +828,47 @@ def case_storm(rng, target, out, timeout):
             problems.append("a storm client never finished")
     out.sent.append((f"storm of {n}", json.dumps([p[:3] for p in plans]).encode()))
     out.problems += problems
+
+
+def case_mixed(rng, target, out, timeout):
+    """Hostile fields and bodies while a storm of streams comes and goes."""
+    storm = threading.Thread(target=case_storm, args=(random.Random(rng.random()), target, out, timeout), daemon=True)
+    storm.start()
+    for _ in range(rng.randint(2, 6)):
+        rng.choice((case_field, case_field, case_body))(rng, target, out, timeout)
+    storm.join(timeout + 10)
+    if storm.is_alive():
+        out.fail("the storm beside the hostile requests never finished")
+
+
+def case_pipelined(rng, target, out, timeout):
+    """Several requests in one write on a keep-alive connection, hostile ones among them: each
+    answered in order, or the connection closed after an answer that says why."""
+    paths = [rng.choice(target.endpoints) for _ in range(rng.randint(2, 5))]
+    raws = []
+    for i, path in enumerate(paths):
+        body, _ = field_body(rng, base_bodies(target.model)[path], endpoint_fields(path)) if rng.random() < 0.5 else (
+            json.dumps(base_bodies(target.model)[path]).encode(), "")
+        raws.append(http_request("POST", path, body, headers=[("Connection", "keep-alive")] if i < len(paths) - 1
+                                 else None))
+    out.sent.append(("pipelined " + " ".join(paths), b"".join(raws)))
+    conn = Conn(target, timeout)
+    try:
+        conn.send(b"".join(raws))
+        for i, path in enumerate(paths):
+            try:
+                reply = conn.read_response()
+            except Closed as e:
+                if i == 0:
+                    out.fail(f"pipelined: closed before the first answer ({e})")
+                break
+            out.check(f"pipelined request {i} to {path}", reply, path)
+            if reply.headers.get("connection", "").lower() == "close":
+                break
+    except Hang as e:
+        out.fail(f"pipelined: hang ({e})")
+    finally:
+        conn.close()
 
 
 def case_cancel(rng, target, out, timeout):
@@ -964,16 +1026,29 @@ def case_sigterm(rng, target, out, timeout):
             results.append(f"{path} across SIGTERM: {problem}")
     threads = []
     for _ in range(rng.randint(1, 8)):
-        path = rng.choice(("/v1/chat/completions", "/v1/completions"))
+        path = _generating_path(rng, target)
         body = _stream_body(rng, target, path)
-        body.update(max_tokens=rng.choice((20, 100, 10 ** 6)), ignore_eos=True)
+        if "max_output_tokens" in body:
+            body["max_output_tokens"] = rng.choice((20, 100, 10 ** 6))
+        else:
+            body.update(max_tokens=rng.choice((20, 100, 10 ** 6)))
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            body["ignore_eos"] = True
         threads.append(threading.Thread(target=one, args=(path, body), daemon=True))
+    slow = []                   # and clients in the middle of sending: the shutdown must not wait for them
+    for _ in range(rng.randint(0, 3)):
+        with contextlib.suppress(OSError):
+            c = Conn(target, 30)
+            c.send(http_request("POST", "/v1/completions", b'{"model":', content_length=500)[:rng.randrange(5, 60)])
+            slow.append(c)
     for t in threads:
         t.start()
     time.sleep(rng.random() * 1.5)
     try:
         _sigterm(target, out, threads, timeout)
     finally:
+        for c in slow:
+            c.close()
         out.problems += results
         target.start()
 
@@ -1000,8 +1075,9 @@ def _sigterm(target, out, threads, timeout):
 
 
 CASES = {"field": case_field, "body": case_body, "storm": case_storm, "cancel": case_cancel, "slow": case_slow,
-         "context": case_context, "sigterm": case_sigterm}
-DRAW = ("field",) * 8 + ("body",) * 3 + ("storm",) * 2 + ("cancel", "slow", "context", "context")
+         "context": case_context, "sigterm": case_sigterm, "mixed": case_mixed, "pipelined": case_pipelined}
+DRAW = ("field",) * 8 + ("body",) * 3 + ("storm",) * 2 + ("cancel", "slow", "context", "context", "mixed",
+                                                            "pipelined")
 
 
 def kind_of(index, seed):
@@ -1034,7 +1110,8 @@ def campaign(seed=0, cases=None, minutes=None, folder="fuzz-failures", url=None,
         write_random_llama(model_path, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=300,
                            tensor_type="Q8_0", n_ctx=4096, seed=11)
     target = Target(url, model_path, read_timeout)
-    print(f"fuzzing {target.host}:{target.port} ({', '.join(target.endpoints)})", file=log, flush=True)
+    print(f"fuzzing {target.host}:{target.port} ({', '.join(target.endpoints)}; "
+          f"{target.metrics()['llambda_kv_blocks_total']:g} KV blocks)", file=log, flush=True)
     end = time.monotonic() + minutes * 60 if minutes else None
     tried, failures, counts = 0, [], {}
     indices = [only] if only is not None else None

@@ -10,10 +10,10 @@ the context's pooling type says (llama.h's enum llama_pooling_type):
     3 last   the last token's (Qwen3-Embedding)
     4 rank   a reranker's classification head (not a vector)
 
-The type comes from the GGUF's ``<arch>.pooling_type`` (embedding models carry it), else
-from the caller. llama.cpp's own default for a model without the key is none, which gives
-no vector per text; llama-server users pass ``--pooling mean`` for it, so mean is the
-default here.
+The caller's choice comes first (``pooling=``, ``Model.pooling``, ``llambda serve
+--pooling``), then the GGUF's ``<arch>.pooling_type`` (embedding models carry it), then mean:
+llama.cpp's own default for a model without the key is none, which gives no vector per text;
+llama-server users pass ``--pooling mean`` for it.
 
 An Embedding is a sequence of the engine (engine.py): its prompt rows share steps with
 generation and other embeddings, the step keeps every row's final-norm output (no LM head

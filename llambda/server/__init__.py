@@ -6,6 +6,7 @@
     metrics.py  the Prometheus view of the engine
     auth.py     API keys (an ASGI middleware) and CORS origins
     serve.py    model + uvicorn + graceful shutdown
+    connections.py  uvicorn's h11 protocol with a read deadline (slowloris) and connection caps per client
     embeddings.py  POST /v1/embeddings over Model.embed (float or base64)
     responses.py   POST /v1/responses: OpenAI's Responses API, stateless, over the chat path
     anthropic_messages.py  POST /v1/messages[/count_tokens]: Anthropic's Messages API, over the chat path

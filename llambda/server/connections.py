@@ -112,11 +112,9 @@ def connection_protocol(read_timeout_s=30.0, per_client=64, total=1024, on_refus
             self._read_deadline = None
             if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
                 return
-            answering = self.cycle is not None and not self.cycle.response_complete
-            if not self._request_bytes and not answering:
-                self.transport.close()              # an idle connection: nothing to answer
-                return
-            if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            # a 408 only to a request that began and has no answer yet: an idle connection gets none,
+            # nor one whose route answered without reading the body (a 404, a 401): one answer each
+            if self._request_bytes and self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):     # none sent
                 if on_refused is not None:
                     on_refused(408)
                 self.transport.write(raw_response(

@@ -103,6 +103,15 @@ def test_a_body_shorter_than_its_content_length_gets_408(server):
     assert server.get("/health")[0] == 200
 
 
+def test_an_answer_given_before_the_body_is_the_only_one(server):
+    """A route that answers without reading the body (an unknown path's 404) leaves the body
+    unread: at the deadline the connection closes, with no 408 after the 404."""
+    with connect(server) as sock:
+        sock.sendall(request_bytes(path="/nowhere", content_length=500, keep_alive=True))
+        data = read_all(sock)
+    assert data.startswith(b"HTTP/1.1 404") and data.count(b"HTTP/1.1 ") == 1, data
+
+
 def test_a_body_cut_by_a_close_is_no_500(server):
     before = errors(server, 500)
     for cut in (5, 40):

@@ -148,16 +148,24 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
 
 
+def unsupported_content(messages):
+    """(param, message) of the first content part that is not text, else None."""
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    return f"messages[{i}].content[{j}]", f"content part of type {part.type!r} is not supported (only 'text')"
+    return None
+
+
 def unsupported(req):
     """(param, message) of the first option of ``req`` llambda does not implement, else None."""
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        for i, m in enumerate(req.messages):
-            if isinstance(m.content, list):
-                for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
-                        return f"messages[{i}].content[{j}]", f"content part of type {part.type!r} is not supported (only 'text')"
+        problem = unsupported_content(req.messages)
+        if problem is not None:
+            return problem
     else:
         if req.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"

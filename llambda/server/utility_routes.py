@@ -109,6 +109,9 @@ async def apply_template(request: Request):
         if getattr(req, field):
             raise ApiError(400, f"{field} is not supported by /apply-template (it renders messages alone)",
                            param=field, code="unsupported_parameter")
+    problem = schemas.unsupported_content(req.messages)      # an image part was a 500 (found by the HTTP fuzzer)
+    if problem is not None:
+        raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")
     model = _model(request)
     try:
         prompt = await run_in_threadpool(model.render_chat, schemas.message_dicts(req))

@@ -53,3 +53,14 @@ def test_more_choices_than_the_queue_holds_is_a_400_not_a_429_forever(server, ro
     assert reply["error"]["param"] == "n" and "--max-waiting" in reply["error"]["message"]
     status, _, reply = server.post_json(route, dict(body, model=server.model_id, n=4, max_tokens=2))
     assert status == 200 and len(reply["choices"]) == 4
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text"}])
+def test_apply_template_refuses_a_part_that_is_not_text(server, part):
+    """/apply-template joined the parts' text: an image part (text None) was a 500 TypeError."""
+    status, _, reply = server.post_json("/apply-template", {"messages": [{"role": "user", "content": [part]}]})
+    assert status == 400
+    assert reply["error"]["param"] == "messages[0].content[0]" and reply["error"]["code"] == "unsupported_parameter"
+    status, _, _ = server.post_json("/apply-template", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}]})
+    assert status == 200

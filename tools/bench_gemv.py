@@ -15,7 +15,8 @@ when the last thread ends), less the cost of as many empty calls timed on one th
 Each (shape, type) runs its rounds one after another, its copies made once; a round
 measures the one-core read probe (codegen/probe.py ``llb_probe_read__avx2``, the current
 library's for every ``--lib``), then each thread count for each library in turn, so
-libraries are compared A, B, A, B on a machine others share. Reported: per cell the median over rounds of the ratio GB/s ÷
+libraries are compared A, B, B, A, A, B ... on a machine others share (the order reversed
+every other round: timed A against A, the second of a round was up to 1.25x faster). Reported: per cell the median over rounds of the ratio GB/s ÷
 that round's read probe, with its range, and the median GB/s; with two libraries, the
 median of the per-round ratios B ÷ A.
 
@@ -179,7 +180,12 @@ def main(argv=None):
                 probes.append(probe)
                 for cell in runs:
                     pool = workers[cell["threads"]]
-                    for i, dll in enumerate(dlls):
+                    # the libraries in turn, the order reversed every other round (the one
+                    # timed second after the probe measured up to 1.25x faster, A against A)
+                    order = list(enumerate(dlls))
+                    if len(probes) % 2 == 0:
+                        order.reverse()
+                    for i, dll in order:
                         f = fn(dll, cell["symbol"])
 
                         # the calls' own overhead, timed on this thread (ctypes, ~1 us a call)

@@ -283,6 +283,10 @@ class Constraint:
         """The tokens the grammar forces next, whatever the model says (often none)."""
         return self.matcher.compute_ff_tokens()
 
+    def allows(self, token):
+        """Whether the grammar takes ``token`` next (nothing is consumed)."""
+        return self.matcher.validate_tokens([token]) == 1
+
     def consume(self, token):
         """Advance over a generated token; raises ConstraintFailed if the grammar refuses it."""
         if not self.matcher.consume_token(token):
@@ -310,7 +314,8 @@ class MaskBatch:
     def __init__(self, rows, n_vocab):
         self.rows = rows
         self.n_vocab = n_vocab
-        self.bitmask = llg_numpy.allocate_token_bitmask(rows, n_vocab)      # int32 [rows, words]
+        # int32 [rows + 1, words]: the last row is fill_one's
+        self.bitmask = llg_numpy.allocate_token_bitmask(rows + 1, n_vocab)
         n_bytes = self.bitmask.shape[1] * 4
         self._banned = np.empty((n_bytes, 8), dtype=bool)                   # one row's, unpacked
         self._row_of = {}
@@ -339,6 +344,14 @@ class MaskBatch:
                 c.failure = c.failed("it has no mask row")
             elif c.failure is None and c.matcher.is_error():
                 c.failure = c.failed(c.matcher.get_error())
+
+    def fill_one(self, constraint):
+        """Compute one more constraint's mask, in a row of its own, keeping the masks ``fill``
+        made for this step (a draw-first sequence whose draw its grammar refused)."""
+        self._row_of[constraint] = self.rows
+        self._fill_one(constraint, self.rows)
+        if constraint.failure is None and constraint.matcher.is_error():
+            constraint.failure = constraint.failed(constraint.matcher.get_error())
 
     def _fill_one(self, c, i):
         try:

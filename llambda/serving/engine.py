@@ -440,6 +440,15 @@ class Engine:
             return
         if logits.size > self.n_vocab:         # padding rows of the LM head: never drawn
             logits[self.n_vocab:] = -np.inf
+        if c.constraint is not None and self._draws_first(c):
+            if not self._timed(self._ready, c):
+                return                         # it ended, or its grammar forces the next tokens
+            token = c.sampler.sample(logits, c.tokens)
+            if self._timed(c.constraint.allows, token):
+                if self._take(c, token, None):
+                    self._force(c)
+                return
+            self._timed(self._masks.fill_one, c.constraint)       # refused: draw under the mask
         if c.constraint is not None and not self._timed(self._constrain, c, logits):
             return                             # it ended, or its grammar forces the next tokens
         if c.completion_tokens < c.min_tokens:
@@ -460,6 +469,32 @@ class Engine:
         if c.logprobs is not None:
             event.logprob, event.top_logprobs = logprob_of()
         return self._append(c, token, event)
+
+    def _draws_first(self, c):
+        """Whether ``c`` draws before its grammar's mask is made: a draw the grammar allows is
+        kept, a refused one is drawn again under the mask, which gives the masked distribution
+        exactly when the sampler says so (Sampler.redraw_is_exact) and costs a mask only at
+        refusals (inside a JSON string, almost never). Not with logprobs (they describe the
+        masked row) nor while min_tokens holds end ids back."""
+        return (c.logprobs is None and c.completion_tokens >= c.min_tokens
+                and c.sampler.redraw_is_exact(self.n_vocab))
+
+    def _ready(self, c):
+        """Before a draw-first sample of ``c``: False when its grammar is complete or failed (it
+        ended) or forces the next tokens (generated now), as _constrain does."""
+        constraint = c.constraint
+        try:
+            if constraint.stopped:
+                self._end(c, "stop", "grammar")
+                return False
+            forced = constraint.forced()
+        except Exception as error:
+            self._end(c, "error", "error", constraint.failed(error))
+            return False
+        if forced:
+            self._force(c, forced)
+            return False
+        return True
 
     def _hold_back_end(self, c, logits):
         """min_tokens: ban the ids that would end ``c`` (EOS unless ignore_eos, its stop_token_ids)
@@ -506,7 +541,10 @@ class Engine:
     def _fill_masks(self, head):
         """The allowed next tokens of every constrained sequence sampled in this step, computed
         together; a grammar whose mask fails gets its ``failure`` (_constrain ends it)."""
-        constrained = [c.constraint for c in head if c.constraint is not None]
+        constrained = [c.constraint for c in head if c.constraint is not None and not self._draws_first(c)]
+        if self._masks is None and any(c.constraint is not None for c in head):
+            from llambda.serving.constraints import MaskBatch
+            self._masks = MaskBatch(self.net.max_seqs, self.n_vocab)
         if not constrained:
             return
         t0 = time.perf_counter()

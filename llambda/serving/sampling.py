@@ -116,6 +116,14 @@ class Sampler:
         self._bias = check_logit_bias(logit_bias, n_vocab)      # (ids, biases) or None
         self._rng = np.random.default_rng(seed)
 
+    def redraw_is_exact(self, vocab_size):
+        """True when a draw from the whole distribution, kept if a grammar allows it and else
+        replaced by a draw from the masked one, is a draw from the masked distribution
+        (rejection sampling): greedy, or temperature alone (top-k, top-p and min-p would filter
+        the whole distribution, not the masked one), and no logit_bias (added in place, it
+        would be added twice)."""
+        return self._bias is None and (self.temperature == 0.0 or not self._filters_anything(vocab_size))
+
     def sample(self, logits, history=()):
         """The next token id, given the logits over the vocabulary and the ids so far. With a
         logit_bias, float32 ``logits`` get it added in place (the engine's row is its own, and

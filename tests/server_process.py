@@ -117,3 +117,21 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         return self.proc.returncode
+
+
+# ---------------------------------------------------------------------------
+# The default model's servers of the chat-shaped tests (tools, Responses, Messages)
+# ---------------------------------------------------------------------------
+
+QWEN3_TEMPLATE = __import__("pathlib").Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+CLIENT_TIMEOUT_S = 120
+
+
+def default_model_server(gguf, *options, headers=None):
+    """`llambda serve` of the default model (a real vocabulary): 2 slots of 2048, one thread."""
+    return ServerProcess(gguf, "--ctx", "2048", "--parallel", "2", "--threads", "1", *options, headers=headers)
+
+
+def openai_client(server, api_key="none"):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=CLIENT_TIMEOUT_S)

@@ -55,12 +55,17 @@ class Served:
         self.draining = False
 
     # -- checks -----------------------------------------------------------------
-    def check(self, req):
+    def check_serving(self, model_name):
+        """What every route checks first: the server is not shutting down, and it knows the
+        model's name."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        if req.model not in self.names:
-            raise self.unknown_model(req.model)
+        if model_name not in self.names:
+            raise self.unknown_model(model_name)
+
+    def check(self, req):
+        self.check_serving(req.model)
         problem = schemas.unsupported(req)
         if problem is not None:
             raise ApiError(400, problem[1], param=problem[0], code="unsupported_parameter")

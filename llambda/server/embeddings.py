@@ -41,12 +41,7 @@ class EmbeddingRequest(schemas._Body):
 
 def _check(served, req):
     """What every route checks before it runs anything: serving, and a model name it knows."""
-    from .app import RETRY_AFTER_S           # (app.py includes this router: imported at call time)
-    if served.draining:
-        raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
-    if req.model not in served.names:
-        raise served.unknown_model(req.model)
+    served.check_serving(req.model)
     width = served.model.config.dim
     if req.dimensions is not None and req.dimensions != width:
         raise ApiError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "

@@ -5,7 +5,6 @@ stop_sequences with the sequence that stopped it, count_tokens, <think> blocks a
 blocks, and Anthropic's error shape for bad requests and a wrong key. The default model's
 server is started with an API key, which the anthropic client sends as x-api-key."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,11 +14,9 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from server_process import ServerProcess
+from server_process import CLIENT_TIMEOUT_S, default_model_server, openai_client
 
-QWEN3 = Path(__file__).parent.parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
 KEY = "sk-test-anthropic-1"
-CLIENT_TIMEOUT_S = 120
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                    "unit": {"enum": ["C", "F"]}},
                   "required": ["city", "unit"], "additionalProperties": False}
@@ -32,21 +29,9 @@ HI = [{"role": "user", "content": "Say hi"}]
 GREEDY = dict(max_tokens=120, extra_body={"temperature": 0})
 
 
-def start(default_gguf, *options, headers=None):
-    return ServerProcess(default_gguf, "--ctx", "2048", "--parallel", "2", "--threads", "1", *options,
-                         headers=headers)
-
-
 @pytest.fixture(scope="module")
 def server(default_gguf):
-    s = start(default_gguf, "--api-key", KEY, headers={"x-api-key": KEY})
-    yield s
-    assert s.stop() == 0, "".join(s.log)
-
-
-@pytest.fixture(scope="module")
-def qwen_server(default_gguf):
-    s = start(default_gguf, "--chat-template", str(QWEN3))
+    s = default_model_server(default_gguf, "--api-key", KEY, headers={"x-api-key": KEY})
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -57,7 +42,7 @@ def client_of(server, key=KEY):
 
 def chat_reply(server, messages, **options):
     """The chat route's greedy reply to the same messages (the openai client, Bearer key)."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    client = openai_client(server, api_key=KEY)
     return client.chat.completions.create(model=server.model_id, messages=messages, temperature=0, **options)
 
 

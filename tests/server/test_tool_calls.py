@@ -5,7 +5,6 @@ pieces; finish_reason "tool_calls"), <think> blocks as reasoning_content, and 40
 field for bad tools. Two servers of the default model: its own template (no tools: the
 prompted JSON format) and Qwen3's template (the <tool_call> format, <think> blocks)."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +13,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from server_process import ServerProcess
+from server_process import default_model_server, openai_client
 
-QWEN3 = Path(__file__).parent.parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
-CLIENT_TIMEOUT_S = 120
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                    "unit": {"enum": ["C", "F"]}},
                   "required": ["city", "unit"], "additionalProperties": False}
@@ -29,26 +26,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
-def start(default_gguf, *options):
-    return ServerProcess(default_gguf, "--ctx", "2048", "--parallel", "2", "--threads", "1", *options)
-
-
 @pytest.fixture(scope="module")
 def server(default_gguf):
-    s = start(default_gguf)
+    s = default_model_server(default_gguf)
     yield s
     assert s.stop() == 0, "".join(s.log)
 
 
-@pytest.fixture(scope="module")
-def qwen_server(default_gguf):
-    s = start(default_gguf, "--chat-template", str(QWEN3))
-    yield s
-    assert s.stop() == 0, "".join(s.log)
-
-
-def client_of(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+client_of = openai_client
 
 
 def streamed_message(stream):

@@ -319,6 +319,11 @@ class Model:
         given = next(kind for kind in constraints.KINDS if kinds.get(kind) not in (None, False))
         return constraints.Constraint(grammar, self.tokenizer, self.n_vocab, field=field or given)
 
+    def _constraint_in(self, options):
+        """The constraint submit's keywords in ``options`` ask for (taken out of it), or None."""
+        from llambda.serving.constraints import KINDS
+        return self.constraint(**{kind: options.pop(kind) for kind in KINDS if kind in options})
+
     def choices(self, prompt, n, *, seed=None, **options):
         """``n`` Completions of one prompt (OpenAI's ``n``): the first prefills it, the others
         fork from its cached blocks once it has. Choice i draws with ``seed + i`` (any seed
@@ -326,11 +331,7 @@ class Model:
         ``options``: submit's."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise OptionError(f"n: expected a positive integer, got {n!r}", "n")
-        constraint = options.pop("constraint", None)
-        if constraint is None:
-            kinds = {k: options.pop(k) for k in ("json_schema", "json_object", "grammar", "regex", "choice", "lark")
-                     if k in options}
-            constraint = self.constraint(**kinds)
+        constraint = options.pop("constraint", None) or self._constraint_in(options)
         # copies made now, before the first choice's grammar moves
         constraints = [constraint] + [constraint.copy() if constraint is not None else None for _ in range(n - 1)]
         completions = []
@@ -387,8 +388,7 @@ class Model:
         puts a <think> block in reasoning_content, "none" keeps it in the content.
         ``options``: submit's (max_tokens, temperature, seed, json_schema=, ...)."""
         from llambda.chat import turn as chat_turn
-        constraint = self.constraint(**{k: options.pop(k) for k in ("json_schema", "json_object", "grammar",
-                                                                    "regex", "choice", "lark") if k in options})
+        constraint = self._constraint_in(options)
         turn = chat_turn.prepare(self, inputs.check_messages(messages), tools=tools, tool_choice=tool_choice,
                                  parallel_tool_calls=parallel_tool_calls, template_kwargs=template_kwargs,
                                  reasoning=reasoning, constraint=constraint)

@@ -21,6 +21,8 @@ So the deltas always add up to ``message()``.
 """
 import uuid
 
+from llambda.chat.tools import held_back
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -38,16 +40,9 @@ def split_reasoning(text, thinking=False, partial=False):
     if close < 0:
         reasoning = text[at:]
         if partial:
-            reasoning = reasoning[:len(reasoning) - _held(reasoning, CLOSE)]
+            reasoning = reasoning[:len(reasoning) - held_back(reasoning, CLOSE)]
         return reasoning.lstrip(), ""
     return text[at:close].lstrip(), text[close + len(CLOSE):].lstrip("\n")
-
-
-def _held(text, tag):
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReplyReader:

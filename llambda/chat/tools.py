@@ -232,7 +232,7 @@ class WrappedFormat:
             if start < 0:
                 tail = text[at:]
                 if partial:
-                    tail = tail[:len(tail) - _held(tail, self.trigger)]
+                    tail = tail[:len(tail) - held_back(tail, self.trigger)]
                 content.append(tail)
                 break
             content.append(text[at:start])
@@ -380,8 +380,9 @@ def _spaced(literal):
     return r"\s*".join(re.escape(ch) for ch in literal if not ch.isspace())
 
 
-def _held(text, trigger):
-    """How many characters at the end of ``text`` could be the start of ``trigger``."""
+def held_back(text, trigger):
+    """How many characters at the end of ``text`` could be the start of ``trigger`` (text
+    that waits while it may still become the tag)."""
     for n in range(min(len(trigger) - 1, len(text)), 0, -1):
         if text.endswith(trigger[:n]):
             return n

@@ -21,7 +21,7 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -440,17 +440,18 @@ class Engine:
             return
         if logits.size > self.n_vocab:         # padding rows of the LM head: never drawn
             logits[self.n_vocab:] = -np.inf
-        if c.constraint is not None and self._draws_first(c):
+        if c.constraint is not None:
             if not self._timed(self._ready, c):
                 return                         # it ended, or its grammar forces the next tokens
-            token = c.sampler.sample(logits, c.tokens)
-            if self._timed(c.constraint.allows, token):
-                if self._take(c, token, None):
-                    self._force(c)
-                return
-            self._timed(self._masks.fill_one, c.constraint)       # refused: draw under the mask
-        if c.constraint is not None and not self._timed(self._constrain, c, logits):
-            return                             # it ended, or its grammar forces the next tokens
+            if self._draws_first(c):
+                token = c.sampler.sample(logits, c.tokens)
+                if self._timed(c.constraint.allows, token):
+                    if self._take(c, token, None):
+                        self._force(c)
+                    return
+                self._timed(self._masks.fill_one, c.constraint)       # refused: draw under the mask
+            if not self._timed(self._mask, c, logits):
+                return                         # its mask failed: it ended
         if c.completion_tokens < c.min_tokens:
             self._hold_back_end(c, logits)
         token = c.sampler.sample(logits, c.tokens)
@@ -480,9 +481,13 @@ class Engine:
                 and c.sampler.redraw_is_exact(self.n_vocab))
 
     def _ready(self, c):
-        """Before a draw-first sample of ``c``: False when its grammar is complete or failed (it
-        ended) or forces the next tokens (generated now), as _constrain does."""
+        """Before sampling ``c``: False when its grammar failed or is complete (``c`` ended) or
+        forces the next tokens (generated now, without sampling; the next step runs them as
+        prompt rows of ``c``)."""
         constraint = c.constraint
+        if constraint.failure is not None:     # its mask could not be made (MaskBatch.fill)
+            self._end(c, "error", "error", constraint.failure)
+            return False
         try:
             if constraint.stopped:
                 self._end(c, "stop", "grammar")
@@ -540,7 +545,7 @@ class Engine:
     # -- constrained sequences (constraints.py) ---------------------------------
     def _fill_masks(self, head):
         """The allowed next tokens of every constrained sequence sampled in this step, computed
-        together; a grammar whose mask fails gets its ``failure`` (_constrain ends it)."""
+        together; a grammar whose mask fails gets its ``failure`` (_ready ends it)."""
         constrained = [c.constraint for c in head if c.constraint is not None and not self._draws_first(c)]
         if self._masks is None and any(c.constraint is not None for c in head):
             from llambda.serving.constraints import MaskBatch
@@ -554,28 +559,18 @@ class Engine:
         self._masks.fill(constrained)
         self.counters.constraint_seconds += time.perf_counter() - t0
 
-    def _constrain(self, c, logits):
-        """Before sampling ``c``: ban what its grammar refuses in ``logits`` (True: sample).
-        False when ``c`` ended (its grammar failed or is complete) or when the grammar forces
-        the next tokens, which are generated now and run in the next step."""
+    def _mask(self, c, logits):
+        """Ban what ``c``'s grammar refuses in ``logits``, from the mask this step made for it
+        (True: sample). False when the mask could not be made or applied: ``c`` ended."""
         constraint = c.constraint
         failure = constraint.failure
-        forced = ()
         if failure is None:
             try:
-                if constraint.stopped:
-                    self._end(c, "stop", "grammar")
-                    return False
-                forced = constraint.forced()
-                if not forced:
-                    self._masks.apply(constraint, logits)
+                self._masks.apply(constraint, logits)
             except Exception as error:         # llguidance's, or ours: this sequence's end only
                 failure = constraint.failed(error)
         if failure is not None:
             self._end(c, "error", "error", failure)
-            return False
-        if forced:
-            self._force(c, forced)
             return False
         return True
 

@@ -8,7 +8,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from synth import write_random_llama
-from server_process import ServerProcess
+from server_process import ServerProcess, openai_client
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_chat_choices_equal_single_requests_with_seed_plus_i(server, client):

@@ -13,9 +13,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import llambda
-from server_process import ServerProcess
+from server_process import ServerProcess, openai_client
 
-CLIENT_TIMEOUT_S = 120
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "hi"]
 
 
@@ -28,7 +27,7 @@ def server(default_gguf):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

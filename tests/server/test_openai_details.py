@@ -13,12 +13,11 @@ openai = pytest.importorskip("openai")
 
 import llambda
 from synth import write_random_llama
-from server_process import ServerProcess
+from server_process import ServerProcess, openai_client
 
 N_CTX = 256
 VOCAB = 300
 ALIASES = ("gpt-4o-mini", "team/small-model")
-CLIENT_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,10 @@ openai = pytest.importorskip("openai")
 
 from llambda.codegen.contract import KV_BLOCK
 from synth import write_random_llama
-from server_process import ServerProcess
+from server_process import ServerProcess, openai_client
 
 N_CTX = 256
 LONG_CTX = 32768         # the long server's: a stream of that many tokens outlasts the test's checks, even on AVX2
-CLIENT_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def long_server(model_path):
 
 
 def client_for(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
-from server_process import ServerProcess
+from server_process import ServerProcess, openai_client
 
-CLIENT_TIMEOUT_S = 120
 RECIPE = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
     "minutes": {"type": "integer", "minimum": 1, "maximum": 240},
@@ -32,7 +31,7 @@ def server(default_gguf):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return openai_client(server)
 
 
 def ask(client, server, **kw):
